@@ -1,0 +1,133 @@
+"""Model and engine configuration: frozen dataclasses and the named presets.
+
+Values discovered at run time (number of KV blocks, device, dtype) live in
+`RuntimeInfo`, never patched into these configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+AttentionKind = Literal["dot", "additive"]
+
+# Byte-level vocabulary: 256 byte values followed by the special tokens.
+BYTE_VOCAB = 256
+BYTE_EOS_ID = 256
+BYTE_PAD_ID = 257
+BYTE_VOCAB_SIZE = 258
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flavour of a decoder-only Transformer.
+
+    `transformer` is the paper's decoder (post-LayerNorm, sinusoidal positions,
+    ReLU FFN, embeddings scaled by sqrt(d_model) and tied to the output layer);
+    `gpt2` is GPT-2 (pre-LayerNorm, learned positions, GELU, tied LM head).
+    """
+
+    vocab_size: int = BYTE_VOCAB_SIZE
+    d_model: int = 512
+    n_heads: int = 8
+    n_layers: int = 6
+    d_ff: int = 2048
+    max_position: int = 1024
+    attention: AttentionKind = "dot"
+    arch: Literal["transformer", "gpt2"] = "transformer"
+    layer_norm_eps: float = 1e-5
+    eos_token_id: int | None = BYTE_EOS_ID
+    tokenizer: Literal["byte", "hf"] = "byte"
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.attention not in ("dot", "additive"):
+            raise ValueError(f"attention must be 'dot' or 'additive', got {self.attention!r}")
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_position"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def d_head(self) -> int:
+        """d_k = d_v = d_model / h."""
+        return self.d_model // self.n_heads
+
+    @property
+    def pre_norm(self) -> bool:
+        return self.arch == "gpt2"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.arch == "gpt2"
+
+    @property
+    def activation(self) -> str:
+        return "gelu_tanh" if self.arch == "gpt2" else "relu"
+
+    @property
+    def embed_scale(self) -> float:
+        # The paper multiplies the (shared) embedding weights by sqrt(d_model).
+        return self.d_model**0.5 if self.arch == "transformer" else 1.0
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The paper's base model: d_model 512, h 8, d_k = d_v = 64, d_ff 2048, N 6.
+    "transformer-base": ModelConfig(),
+    "transformer-base-additive": ModelConfig(attention="additive"),
+    # GPT-2 small shape (124M parameters), random weights: benchmarks only.
+    "gpt2-small-random": ModelConfig(
+        vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
+        max_position=1024, arch="gpt2", eos_token_id=50256, tokenizer="byte",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the continuous-batching engine.
+
+    The number of KV blocks is derived at start-up from `kv_cache_bytes`
+    (or, when that is None, from `kv_cache_fraction` of free memory).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float = 0.25
+    num_kv_blocks: int | None = None  # explicit override, mostly for tests
+    max_model_len: int | None = None  # defaults to the model's max_position
+    enable_kv_cache: bool = True  # False recomputes the whole sequence each step (benchmarks only)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What the engine found out at start-up."""
+
+    device: str
+    dtype: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_id: int | None
