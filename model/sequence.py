@@ -1,0 +1,87 @@
+"""A request's life in the engine, and what the engine hands back each step. No torch here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from model.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and the top-N alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestTimes:
+    """Engine timestamps (time.monotonic()) of one request; the service derives its metrics from these."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one `Engine.step()` produced for one request: the delta since the previous step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    times: RequestTimes
+    token_times: list[float] = field(default_factory=list)  # when each of new_token_ids was sampled
+    new_logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+
+
+@dataclass
+class Sequence:
+    """One request inside the scheduler: prompt, generated tokens, blocks, progress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
