@@ -1,0 +1,277 @@
+"""Tokenizers (byte-level by default, any HF `tokenizer.json`) and streaming detokenization.
+
+Everything here works on the bytes a token stands for, so a character split over
+several tokens is decoded once, whole, when its last byte arrives. No torch.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from model.config import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
+
+logger = logging.getLogger(__name__)
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine and the HTTP edge need from a tokenizer."""
+
+    vocab_size: int
+    eos_token_id: int | None
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        """The raw bytes the token stands for; b"" for special tokens."""
+        ...
+
+
+def _check_id(token_id: int, vocab_size: int) -> None:
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"token id {token_id} is out of range: allowed 0..{vocab_size - 1}")
+
+
+class ByteTokenizer:
+    """Ids 0..255 are UTF-8 bytes, 256 is `<eos>`, 257 is `<pad>`; larger ids (padding of a
+    bigger embedding) stand for nothing."""
+
+    eos_token_id: int | None = BYTE_EOS_ID
+    pad_token_id: int = BYTE_PAD_ID
+    chat_template: str | None = None
+
+    def __init__(self, vocab_size: int = BYTE_VOCAB_SIZE) -> None:
+        if vocab_size < BYTE_VOCAB_SIZE:
+            raise ValueError(
+                f"tokenizer vocabulary ({BYTE_VOCAB_SIZE}) is larger than the model's embedding ({vocab_size})"
+            )
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.id_to_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        _check_id(token_id, self.vocab_size)
+        return bytes((token_id,)) if token_id < 256 else b""
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the others
+    (controls, space, ...) to code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+def _decoder_types(decoder: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Flatten a tokenizer.json decoder (possibly a Sequence) into its parts."""
+    if not decoder:
+        return []
+    if decoder.get("type") == "Sequence":
+        return [part for d in decoder.get("decoders", []) for part in _decoder_types(d)]
+    return [decoder]
+
+
+class HFTokenizer:
+    """A `tokenizer.json` through the `tokenizers` library, with eos and chat template from
+    `tokenizer_config.json` / `config.json` in the same directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _RustTokenizer  # lazy: only HF checkpoints need it
+
+        directory = Path(path)
+        file = directory / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {directory}")
+        self._tok = _RustTokenizer.from_file(str(file))
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        # Ids, not the entry count, bound the embedding: added tokens may leave gaps.
+        self.vocab_size = max(vocab.values()) + 1
+        tok_config = _read_json(directory / "tokenizer_config.json")
+        self.eos_token_id = self._find_eos(tok_config, _read_json(directory / "config.json"))
+        self.chat_template = _find_chat_template(directory, tok_config)
+        self._id_bytes = self._build_id_bytes(vocab, json.loads(file.read_text("utf-8")).get("decoder"))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        for i in ids:
+            _check_id(i, self.vocab_size)
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        _check_id(token_id, self.vocab_size)
+        return self._id_bytes[token_id]
+
+    def _find_eos(self, tok_config: dict[str, Any], model_config: dict[str, Any]) -> int | None:
+        eos = tok_config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
+            return self._tok.token_to_id(eos)
+        eos_id = model_config.get("eos_token_id")
+        if isinstance(eos_id, list):  # some configs list several end tokens
+            eos_id = eos_id[0] if eos_id else None
+        return eos_id if isinstance(eos_id, int) else None
+
+    def _build_id_bytes(self, vocab: dict[str, int], decoder: dict[str, Any] | None) -> list[bytes]:
+        """Precompute every token's bytes so streaming never asks the tokenizer again."""
+        kinds = {d.get("type") for d in _decoder_types(decoder)}
+        specials = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        added = set(self._tok.get_added_tokens_decoder())
+        sentencepiece = "Metaspace" in kinds or any(
+            d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "▁" for d in _decoder_types(decoder)
+        )
+        if not ("ByteLevel" in kinds or sentencepiece):
+            logger.info("tokenizer decoder %s: token bytes come from decoding tokens one by one", sorted(kinds))
+        table = [b""] * self.vocab_size
+        to_byte = _unicode_to_byte()
+        for piece, i in vocab.items():
+            if i in specials:
+                continue
+            if i in added:  # added tokens are emitted verbatim by every decoder
+                table[i] = piece.encode("utf-8")
+            elif "ByteLevel" in kinds and all(c in to_byte for c in piece):
+                table[i] = bytes(to_byte[c] for c in piece)
+            elif sentencepiece:
+                match = _BYTE_FALLBACK.match(piece) if "ByteFallback" in kinds else None
+                table[i] = bytes((int(match.group(1), 16),)) if match else piece.replace("▁", " ").encode("utf-8")
+            else:
+                table[i] = self._tok.decode([i], skip_special_tokens=False).encode("utf-8")
+        return table
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    data = json.loads(file.read_text("utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _find_chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
+    """tokenizer_config.json's "chat_template" (a string, or a list of named templates), else
+    the separate `chat_template.jinja` that newer transformers versions write."""
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    if isinstance(template, str):
+        return template
+    jinja = directory / "chat_template.jinja"
+    return jinja.read_text("utf-8") if jinja.is_file() else None
+
+
+def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
+    """The checkpoint's `tokenizer.json` when there is one, else the byte tokenizer.
+
+    `vocab_size` is the model's embedding size; a tokenizer that can produce ids beyond it
+    is refused.
+    """
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        tokenizer: Tokenizer = HFTokenizer(model_dir)
+        if tokenizer.vocab_size > vocab_size:
+            raise ValueError(
+                f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than the model's embedding ({vocab_size})"
+            )
+        return tokenizer
+    return ByteTokenizer(vocab_size)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas for streaming.
+
+    Bytes go through an incremental UTF-8 decoder, so a character split over tokens is
+    emitted once, whole (an impossible byte sequence comes out as U+FFFD at once). Stop
+    strings are searched across token boundaries; the text returned stops before the first
+    one found. With `hold_back_for_stop`, text that may be the start of a stop string is
+    held until the next tokens show whether it is; without it, such text is emitted and a
+    stop string's beginning may already have gone out when it completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, hold_back_for_stop: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._stops = [s for s in (stop or []) if s]
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._hold_back = hold_back_for_stop
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""  # decoded but not yet emitted
+        self._tail = ""  # last emitted characters a stop string could start in
+        self._pieces: list[str] = []
+        self.stopped = False
+        self.stop_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes (may be "")."""
+        if self.stopped:
+            return ""
+        return self._advance(self._utf8.decode(self._tokenizer.id_to_bytes(token_id)), final=False)
+
+    def flush(self) -> str:
+        """Generation ended without a stop string: return everything still held back
+        (an unfinished character becomes U+FFFD)."""
+        if self.stopped:
+            return ""
+        return self._advance(self._utf8.decode(b"", final=True), final=True)
+
+    def _advance(self, new: str, final: bool) -> str:
+        self._pending += new
+        if self._stops and self._find_stop():
+            out, self._pending = self._pending, ""
+            return self._emit(out)
+        keep = 0 if final or not self._hold_back else self._stop_prefix_len(self._pending)
+        out = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(out) :]
+        return self._emit(out)
+
+    def _find_stop(self) -> bool:
+        """Cut `_pending` before the earliest complete stop string, if any."""
+        window = self._tail + self._pending
+        hits = [(i, s) for s in self._stops if (i := window.find(s)) >= 0]
+        if not hits:
+            return False
+        start, stop = min(hits, key=lambda h: h[0])
+        self._pending = self._pending[: max(start - len(self._tail), 0)]
+        self.stopped = True
+        self.stop_reason = stop
+        return True
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that begins some stop string."""
+        for k in range(min(len(text), self._max_stop - 1), 0, -1):
+            suffix = text[-k:]
+            if any(s.startswith(suffix) for s in self._stops):
+                return k
+        return 0
+
+    def _emit(self, out: str) -> str:
+        if out:
+            self._pieces.append(out)
+            if self._max_stop > 1:
+                self._tail = (self._tail + out)[-(self._max_stop - 1) :]
+        return out
