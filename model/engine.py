@@ -1,0 +1,226 @@
+"""The continuous-batching engine: `step()` = schedule -> run -> update.
+
+Not thread-safe: one thread calls `add_request`, `abort_request` and `step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from model.block_manager import BlockManager, blocks_for
+from model.config import EngineConfig, ModelConfig, RuntimeInfo
+from model.kv_cache import KVCache
+from model.loading import load_weights, resolve_device, resolve_dtype
+from model.runner import ModelRunner
+from model.sampling import SamplingRow
+from model.sampling_params import SamplingParams
+from model.scheduler import ScheduledSeq, Scheduler
+from model.sequence import RequestOutput, RequestTimes, Sequence, SeqStatus, TokenLogprob
+from model.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load figures for metrics and health."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_preemptions_total: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+@dataclass
+class _Request:
+    """Engine-side state of one request beside its scheduler `Sequence`."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    times: RequestTimes
+
+
+class Engine:
+    """Hosts one model, its paged KV cache and the scheduler; batches every in-flight request."""
+
+    def __init__(self, model: str = "transformer-base", engine_config: EngineConfig | None = None,
+                 device: str = "auto", dtype: str = "auto", seed: int = 0) -> None:
+        self.config = engine_config or EngineConfig()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        torch.manual_seed(seed)
+        self.model_name = model
+        self.model_config, net, self.tokenizer = load_weights(model, self.dtype, self.device)
+        cfg = self.model_config
+        max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
+        num_blocks = self._num_blocks(cfg, max_len)
+        cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.n_heads, cfg.d_head,
+                        self.dtype, self.device)
+        self.runner = ModelRunner(net, cache, self.device)
+        self.scheduler = Scheduler(BlockManager(num_blocks, self.config.block_size), self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens,
+                                   recompute_all=not self.config.enable_kv_cache)
+        self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
+                                   self.config.block_size, max_len, self.tokenizer.eos_token_id)
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[_Request] = []
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model, self.runtime.device,
+                    self.runtime.dtype, num_blocks, self.config.block_size)
+
+    def _num_blocks(self, cfg: ModelConfig, max_len: int) -> int:
+        ec = self.config
+        if ec.num_kv_blocks is not None:
+            return ec.num_kv_blocks
+        per_block = KVCache.bytes_per_block(cfg.n_layers, ec.block_size, cfg.n_heads, cfg.d_head, self.dtype)
+        budget = ec.kv_cache_bytes
+        if budget is None:
+            budget = int(ec.kv_cache_fraction * _free_memory(self.device))
+        # Never more than every sequence slot at full length needs.
+        enough = ec.max_num_seqs * blocks_for(max_len, ec.block_size)
+        num = min(budget // per_block, enough)
+        if num < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)")
+        return int(num)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError for an id in use, an empty prompt, a token id
+        outside the vocabulary, or a prompt plus max_tokens beyond the context."""
+        self._validate(request_id, prompt_token_ids, params)
+        now = time.monotonic()
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time or now)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
+                                              RequestTimes(arrival=arrival_time or now))
+        self.scheduler.add(seq)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.runtime.max_model_len
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, "
+                f"{params.max_tokens} in the completion).")
+        need = blocks_for(len(prompt) + params.max_tokens, self.config.block_size)
+        if need > self.runtime.num_kv_blocks:
+            raise ValueError(f"request needs {need} KV blocks but the pool has {self.runtime.num_kv_blocks}")
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (waiting or running); its blocks are free at once and the next
+        `step()` reports it with finish_reason "abort". Unknown ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req.seq, "abort")
+        self._aborted.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.blocks
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+                           self.scheduler.num_preemptions, bm.num_free, bm.num_blocks)
+
+    # ---- the step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over every scheduled sequence; the new tokens of each request."""
+        outputs = [self._final(r, "", [], []) for r in self._aborted]
+        self._aborted = []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        now = time.monotonic()
+        for s in sched.scheduled:
+            times = self._requests[s.seq.request_id].times
+            times.first_scheduled = times.first_scheduled or now
+        sampling = [s for s in sched.scheduled if s.samples]
+        rows = [self._row(s.seq) for s in sampling]
+        tokens, logprobs = self.runner.run(sched.scheduled, rows)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        now = time.monotonic()
+        for s, tok, lp in zip(sampling, tokens, logprobs):
+            outputs.append(self._append_token(s, tok, lp, now))
+        return outputs
+
+    def _row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        suppress: list[int] = []
+        if len(seq.output_token_ids) < p.min_tokens:
+            suppress = list(p.stop_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                suppress.append(self.tokenizer.eos_token_id)
+        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids,
+                           self._requests[seq.request_id].generator, suppress)
+
+    def _append_token(self, s: ScheduledSeq, tok: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
+        seq = s.seq
+        req = self._requests[seq.request_id]
+        seq.output_token_ids.append(tok)
+        req.times.first_token = req.times.first_token or now
+        req.times.last_token = now
+        p = seq.params
+        reason, stop_reason, text = None, None, ""
+        if tok == self.tokenizer.eos_token_id and not p.ignore_eos:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        else:
+            text = req.detok.push(tok)
+            if req.detok.stopped:
+                reason, stop_reason = "stop", req.detok.stop_reason
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.runtime.max_model_len:
+                reason = "length"
+        if reason is None:
+            return self._delta(req, text, [tok], [lp] if lp else [], [now])
+        if not req.detok.stopped:
+            text += req.detok.flush()  # text held back in case it began a stop string
+        del self._requests[seq.request_id]
+        self.scheduler.finish(seq, reason)
+        out = self._final(req, text, [tok], [lp] if lp else [], [now])
+        out.stop_reason = stop_reason
+        return out
+
+    def _delta(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],
+               token_times: list[float]) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(seq.request_id, toks, text, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, len(seq.output_token_ids), req.times, token_times,
+                             lps if seq.params.logprobs is not None else None)
+
+    def _final(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],
+               token_times: list[float] | None = None) -> RequestOutput:
+        req.times.finished = time.monotonic()
+        req.seq.status = SeqStatus.FINISHED
+        return self._delta(req, text, toks, lps, token_times or [])
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes of memory free for the KV cache on `device`."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024

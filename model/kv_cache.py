@@ -1,0 +1,81 @@
+"""The paged KV cache: one pool of fixed-size blocks per layer, and the per-step metadata
+that tells attention where each sequence's keys and values live.
+
+A sequence's token at position p lives in block `block_table[p // block_size]`, row
+`p % block_size`. Memory follows the tokens actually held, not the maximum length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prompt chunk in this step: `length` query tokens at `start` in the
+    flattened batch, attending to `context_len` cached positions (its own chunk included)."""
+
+    start: int
+    length: int
+    context_len: int
+    block_table: torch.Tensor  # (num_blocks_of_seq,) long
+
+
+@dataclass
+class AttnMetadata:
+    """Everything attention needs for one step; built by the runner, passed explicitly.
+
+    The flattened batch holds the decode tokens first (`num_decode` of them, one per
+    sequence), then each prefill chunk contiguously.
+    """
+
+    slot_mapping: torch.Tensor  # (T,) long: flat cache row of each token's K/V
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None  # (B_d, max_blocks) long, padded with 0
+    decode_context_lens: torch.Tensor | None = None  # (B_d,) long, new token included
+    decode_max_context: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """(B_d, 1, 1, max_blocks * block_size) bool: True where a cached position is valid."""
+        assert self.decode_block_tables is not None and self.decode_context_lens is not None
+        width = self.decode_block_tables.shape[1] * block_size
+        pos = torch.arange(width, device=self.decode_context_lens.device)
+        return (pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+
+
+class KVCache:
+    """Block pools for every layer, allocated once, outside `forward`.
+
+    `keys[layer]` and `values[layer]`: (num_blocks, block_size, n_heads, d_head). For additive
+    attention the "keys" are the projected keys W_k k, which is what decoding needs.
+    """
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_heads: int, d_head: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_blocks, block_size, n_heads, d_head)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    @staticmethod
+    def bytes_per_block(n_layers: int, block_size: int, n_heads: int, d_head: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * n_layers * block_size * n_heads * d_head * elem
+
+    def update(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's K/V, (T, n_heads, d_head), into their slots."""
+        kc, vc = self.keys[layer], self.values[layer]
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K/V of sequences: block_tables (B, nb) -> two (B, nb * block_size, H, d)."""
+        kc, vc = self.keys[layer], self.values[layer]
+        b, nb = block_tables.shape
+        k = kc[block_tables].view(b, nb * self.block_size, *kc.shape[2:])
+        v = vc[block_tables].view(b, nb * self.block_size, *vc.shape[2:])
+        return k, v

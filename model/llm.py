@@ -1,0 +1,66 @@
+"""Offline API: `LLM(model).generate(prompts, params)` on the continuous-batching engine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from model.config import EngineConfig
+from model.engine import Engine
+from model.sampling_params import SamplingParams
+from model.sequence import TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    """One prompt's generation."""
+
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    logprobs: list[TokenLogprob] | None = None
+
+
+class LLM:
+    """A model and an engine, for batch generation in-process.
+
+    `model` is a preset name (`transformer-base`, `transformer-base-additive`, ...) or a
+    checkpoint directory.
+    """
+
+    def __init__(self, model: str = "transformer-base", device: str = "auto", dtype: str = "auto",
+                 seed: int = 0, engine_config: EngineConfig | None = None) -> None:
+        self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Generate for every prompt (a string or a list of token ids); `params` is one
+        `SamplingParams` for all prompts or one per prompt. Outputs come in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        outs: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, ids, p)
+            outs[rid] = CompletionOutput(ids, logprobs=[] if p.logprobs is not None else None)
+            order.append(rid)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                out = outs[delta.request_id]
+                out.text += delta.new_text
+                out.token_ids.extend(delta.new_token_ids)
+                if out.logprobs is not None and delta.new_logprobs:
+                    out.logprobs.extend(delta.new_logprobs)
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+        return [outs[r] for r in order]

@@ -1,0 +1,75 @@
+"""Turns a scheduled batch into tensors, runs one forward pass, samples. Returns plain lists."""
+
+from __future__ import annotations
+
+import torch
+
+from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.sampling import SamplingRow, sample
+from model.scheduler import ScheduledSeq
+from model.sequence import TokenLogprob
+from model.transformer import Transformer
+
+
+class ModelRunner:
+    """Owns the model and its KV cache on one device."""
+
+    def __init__(self, model: Transformer, cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.block_size = cache.block_size
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int]]:
+        """Flatten the batch: decode tokens (one per sequence) first, then prefill chunks.
+
+        Returns tokens (T,), positions (T,), metadata, and the flat index of the last token
+        of each sequence that samples this step (in `batch` order).
+        """
+        decode = [s for s in batch if s.num_new_tokens == 1]
+        prefill = [s for s in batch if s.num_new_tokens != 1]
+        tokens: list[int] = []
+        positions: list[int] = []
+        where: dict[int, int] = {}  # id(ScheduledSeq) -> flat index of its last token
+        for s in decode + prefill:
+            start = s.seq.num_computed_tokens
+            tokens.extend(s.seq.token_ids[start:start + s.num_new_tokens])
+            positions.extend(range(start, start + s.num_new_tokens))
+            where[id(s)] = len(tokens) - 1
+        pos = torch.tensor(positions, dtype=torch.long)
+        meta = AttnMetadata(slot_mapping=self._slots(decode + prefill, pos), num_decode=len(decode))
+        if decode:
+            self._decode_meta(meta, decode)
+        offset = len(decode)
+        for s in prefill:
+            ctx = s.seq.num_computed_tokens + s.num_new_tokens
+            table = torch.tensor(s.seq.block_table, dtype=torch.long, device=self.device)
+            meta.prefills.append(PrefillChunk(offset, s.num_new_tokens, ctx, table))
+            offset += s.num_new_tokens
+        sample_idx = [where[id(s)] for s in batch if s.samples]
+        return torch.tensor(tokens, dtype=torch.long, device=self.device), pos.to(self.device), meta, sample_idx
+
+    def _slots(self, seqs: list[ScheduledSeq], pos: torch.Tensor) -> torch.Tensor:
+        """Flat cache row of each token: block_table[p // block_size] * block_size + p % block_size."""
+        tables = [t for s in seqs for t in [s.seq.block_table] * s.num_new_tokens]
+        blocks = torch.tensor([t[p] for t, p in zip(tables, (pos // self.block_size).tolist())], dtype=torch.long)
+        return (blocks * self.block_size + pos % self.block_size).to(self.device)
+
+    def _decode_meta(self, meta: AttnMetadata, decode: list[ScheduledSeq]) -> None:
+        width = max(len(s.seq.block_table) for s in decode)
+        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decode]
+        lens = [s.seq.num_computed_tokens + 1 for s in decode]
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)  # (B, width)
+        meta.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)  # (B,)
+        meta.decode_max_context = max(lens)
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq], rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One forward pass over the batch; one sampled token per sequence that `samples`
+        (`rows` gives their sampling state, in `batch` order)."""
+        tokens, positions, meta, sample_idx = self.prepare(batch)
+        hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
+        if not sample_idx:
+            return [], []
+        logits = self.model.compute_logits(hidden[sample_idx])  # (B_s, vocab)
+        return sample(logits, rows)

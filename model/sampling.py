@@ -1,0 +1,114 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, per-request seeds and logprobs,
+applied to the whole batch's logits at once.
+
+Requests with a seed draw from their own `torch.Generator`, so the same seed gives the
+same sample whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.sampling_params import SamplingParams
+from model.sequence import TokenLogprob
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sequence of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # set when params.seed is set
+    suppress_ids: list[int]  # e.g. eos while fewer than min_tokens have been generated
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over generated tokens; vLLM's repetition
+    penalty over prompt and generated tokens. logits (B, V) float32, changed in place."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask out tokens outside each row's top-k and nucleus top-p. logits (B, V) already tempered."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep a token while the mass before it is < top_p (the top token always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _sample_rows(probs: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    shared = [i for i in idx if rows[i].generator is None]
+    if shared:
+        picks = torch.multinomial(probs[shared], 1).view(-1).tolist()
+        out.update(zip(shared, picks))
+    for i in idx:
+        if rows[i].generator is not None:
+            out[i] = int(torch.multinomial(probs[i], 1, generator=rows[i].generator).item())
+    return out
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits (B, V) -> one token id per row, and its logprobs where the row asked for them."""
+    logits = logits.float()
+    if any(r.params.needs_penalties for r in rows):
+        logits = apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        if r.suppress_ids:
+            logits[i, r.suppress_ids] = float("-inf")
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    tokens: dict[int, int] = {}
+    if greedy:
+        tokens.update(zip(greedy, logits[greedy].argmax(dim=-1).tolist()))
+    if random_rows:
+        tokens.update(_sample_random(logits, rows, random_rows))
+    token_list = [tokens[i] for i in range(len(rows))]
+    return token_list, _logprobs(logits, rows, token_list)
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> dict[int, int]:
+    sub = logits[idx] / torch.tensor([rows[i].params.temperature for i in idx])[:, None]
+    vocab = sub.shape[1]
+    top_k = torch.tensor([rows[i].params.top_k if rows[i].params.top_k > 0 else vocab for i in idx])
+    top_p = torch.tensor([rows[i].params.top_p for i in idx], dtype=sub.dtype)
+    if bool((top_k < vocab).any() or (top_p < 1.0).any()):
+        sub = _top_k_top_p(sub, top_k, top_p)
+    probs = torch.softmax(sub, dim=-1)
+    local = _sample_rows(probs, [rows[i] for i in idx], list(range(len(idx))))
+    return {idx[j]: tok for j, tok in local.items()}
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[TokenLogprob | None]:
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not want:
+        return out
+    logp = torch.log_softmax(logits[want], dim=-1)  # (W, V), after penalties, before temperature
+    for j, i in enumerate(want):
+        n = rows[i].params.logprobs or 0
+        top = torch.topk(logp[j], n) if n else None
+        out[i] = TokenLogprob(
+            token_id=tokens[i],
+            logprob=float(logp[j, tokens[i]]),
+            top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+        )
+    return out

@@ -1,0 +1,121 @@
+"""Iteration-level scheduling (continuous batching with chunked prefill). No torch.
+
+Each step: every running sequence gets its next tokens (one for a decoding sequence, a
+chunk for one still prefilling) under a token budget; then waiting sequences are admitted
+while budget, sequence slots and KV blocks last. When blocks run out, the newest running
+sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from model.block_manager import BlockManager
+from model.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """`seq` computes `num_new_tokens` tokens, from position `seq.num_computed_tokens`, this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and the block manager."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 recompute_all: bool = False) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # With no KV cache every step recomputes each sequence from position 0 (benchmarks only).
+        self.recompute_all = recompute_all
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if self.recompute_all:
+                seq.num_computed_tokens = 0
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SeqStatus.RUNNING:
+                break  # seq preempted itself: everything after it is gone too
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self.blocks.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_grow(seq, n):
+                break  # first come, first served: do not let later requests jump ahead
+            self.waiting.popleft()
+            self.blocks.grow(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out of the scheduler (finished or aborted) and free its blocks."""
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+

@@ -1,0 +1,110 @@
+"""The decoder-only Transformer: embeddings, N blocks (attention + position-wise FFN), LM head.
+
+`arch="transformer"` is the paper's layer (post-LayerNorm, sinusoidal positions, ReLU,
+embeddings scaled by sqrt(d_model) and shared with the output layer). `arch="gpt2"` is
+GPT-2's (pre-LayerNorm, learned positions, GELU, final LayerNorm, tied LM head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import MultiHeadAttention
+from model.config import ModelConfig
+from model.kv_cache import AttnMetadata, KVCache
+
+
+def sinusoidal_table(max_position: int, d_model: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...): (max_position, d_model)."""
+    pos = torch.arange(max_position, dtype=torch.float64)[:, None]
+    inv = torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    table = torch.zeros(max_position, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv[: d_model // 2])
+    return table.float()
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = act(x W1 + b1) W2 + b2: d_model -> d_ff -> d_model."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.gelu = cfg.activation == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = F.gelu(h, approximate="tanh") if self.gelu else F.relu(h)
+        return self.proj(h)
+
+
+class Block(nn.Module):
+    """One layer: attention and FFN sub-layers, each with a residual connection and LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.pre_norm = cfg.pre_norm
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attn = MultiHeadAttention(cfg, layer)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.ln_1(x), meta, cache)
+            return x + self.mlp(self.ln_2(x))
+        # The paper: LayerNorm(x + Sublayer(x)).
+        x = self.ln_1(x + self.attn(x, meta, cache))
+        return self.ln_2(x + self.mlp(x))
+
+
+class Transformer(nn.Module):
+    """Token ids + positions (flattened over the batch) -> hidden states -> logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.learned_positions:
+            self.wpe = nn.Embedding(cfg.max_position, cfg.d_model)
+        else:
+            self.register_buffer("pe", sinusoidal_table(cfg.max_position, cfg.d_model), persistent=False)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.pre_norm else None
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                cache: KVCache) -> torch.Tensor:
+        """tokens, positions: (T,) long -> hidden (T, d_model)."""
+        x = self.wte(tokens) * self.cfg.embed_scale
+        x = x + (self.wpe(positions) if self.cfg.learned_positions else self.pe[positions].to(x.dtype))
+        for block in self.blocks:
+            x = block(x, meta, cache)
+        return self.ln_f(x) if self.ln_f is not None else x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, d_model) -> (N, vocab) with the output layer tied to the token embedding."""
+        return F.linear(hidden, self.wte.weight)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic random weights: the same model on every machine for one seed."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln_" in name or name.startswith("ln_"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * self._init_std(name))
+
+    def _init_std(self, name: str) -> float:
+        if name == "wte.weight" and self.cfg.arch == "transformer":
+            return self.cfg.d_model**-0.5  # unit variance after the sqrt(d_model) scale
+        if ".score." in name:  # additive attention's W_q, W_k, v: keep tanh out of saturation
+            return self.cfg.d_head**-0.5
+        return 0.02
