@@ -77,10 +77,10 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def _logprobs(self) -> int | None:
+    def logprobs_count(self) -> int | None:
         return None
 
     def to_sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
@@ -91,7 +91,7 @@ class _SamplingFields(_Request):
         """
         seed = None if self.seed is None else (self.seed + choice) % 2**63
         return SamplingParams(
-            max_tokens=self._requested_max_tokens() or default_max_tokens,
+            max_tokens=self.requested_max_tokens() or default_max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -100,7 +100,7 @@ class _SamplingFields(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
-            logprobs=self._logprobs(),
+            logprobs=self.logprobs_count(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -150,7 +150,7 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[Prompt]:
         return self.prompt
 
-    def _logprobs(self) -> int | None:
+    def logprobs_count(self) -> int | None:
         return self.logprobs
 
 
@@ -202,7 +202,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    echo: bool = False  # vLLM: repeat the last message's content; accepted, not supported
 
     @field_validator("top_logprobs")
     @classmethod
@@ -211,10 +210,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def _logprobs(self) -> int | None:
+    def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

@@ -1,0 +1,188 @@
+"""The HTTP ingress: FastAPI routes of the OpenAI-compatible API on a Ray Serve deployment.
+
+Bodies are read here (with a size cap, 413 past it) and validated by the Pydantic models in
+`protocol.py`; every failure leaves as the OpenAI error shape, never FastAPI's 422 body and
+never a stack trace. An optional API key guards every route except `/health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.errors import APIError, from_validation_error
+from service.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from service.serving import OpenAIServing, OverloadPolicy
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "QKV_API_KEY"
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, probes)
+HEALTH_TIMEOUT_S = 5.0
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    """What the HTTP edge enforces besides the request models."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    overload_status: int = 503
+    retry_after_s: float = 1.0
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+            await self.app(scope, receive, send)
+            return
+        err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
+                       "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error_response(err)(scope, receive, send)
+
+
+async def read_model(request: Request, model: type[_Model], max_bytes: int) -> _Model:
+    """The body parsed into `model`: 413 past `max_bytes`, 400 for malformed or invalid JSON."""
+    declared = request.headers.get("content-length", "")
+    too_large = APIError(f"The request body exceeds the limit of {max_bytes} bytes.", 413,
+                         code="request_too_large")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():  # counted as it arrives: Content-Length may be absent or wrong
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_large
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def respond(work: Awaitable[Any]) -> Response:
+    """Await a route's work: dicts become JSON, iterators become SSE, errors the error shape."""
+    try:
+        result = await work
+    except APIError as exc:
+        return error_response(exc)
+    except Exception:
+        logger.exception("request failed")
+        return error_response(APIError("Internal server error.", 500, "server_error"))
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) -> FastAPI:
+    """The FastAPI app over `serving`; `engine` is the engine deployment's handle (for /health)."""
+    app = FastAPI(title="qkv-serve", docs_url=None, redoc_url=None)
+    limit = settings.max_body_bytes
+    created = int(time.time())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(str(exc.detail), exc.status_code, kind))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def work() -> Any:
+            return await serving.completions(await read_model(request, CompletionRequest, limit))
+        return await respond(work())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        async def work() -> Any:
+            return await serving.chat(await read_model(request, ChatCompletionRequest, limit))
+        return await respond(work())
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        info = serving.info
+        return JSONResponse({"object": "list", "data": [{
+            "id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
+            "max_model_len": info.max_model_len}]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        async def work() -> Any:
+            req = await read_model(request, TokenizeRequest, limit)
+            serving.check_model(req.model)
+            text = req.prompt if req.messages is None else serving.chat_template.render(
+                req.messages, req.add_generation_prompt)
+            tokens = serving.tokenizer.encode(text)
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.info.max_model_len}
+        return await respond(work())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        async def work() -> Any:
+            req = await read_model(request, DetokenizeRequest, limit)
+            serving.check_model(req.model)
+            ids = serving.token_ids(req.tokens, param="tokens") if req.tokens else []
+            return {"prompt": serving.tokenizer.decode(ids)}
+        return await respond(work())
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            healthy = await asyncio.wait_for(engine.healthy.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # unreachable or timed out: not healthy either way
+            logger.warning("health check failed: %s", type(exc).__name__)
+            healthy = False
+        if healthy:
+            return JSONResponse({"status": "ok"})
+        return error_response(APIError("The engine loop is not running.", 503, "server_error"))
+
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP edge. It waits for the engine to report its model before taking traffic."""
+
+    async def __init__(self, engine: Any, settings: dict[str, Any]) -> None:
+        # The key may be set only where the replicas run (a cluster's environment).
+        settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}
+        self._settings = IngressSettings(**settings)
+        self._engine = engine
+        info = await engine.model_info.remote()
+        overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s)
+        self._serving = OpenAIServing(info, engine, overload)
+        logger.info("ingress ready for model %s (max_model_len %d)", info.served_model_name, info.max_model_len)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self._serving, self._engine, self._settings)

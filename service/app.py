@@ -1,0 +1,127 @@
+"""`build_app`: the Ray Serve application builder (ingress + engine deployment).
+
+    serve run deploy/serve.yaml
+    serve run service.app:build_app model=/path/to/checkpoint accelerator=cpu max_num_seqs=32
+
+Arguments are the fields of `AppArgs`; Serve validates them into it (strings from the command
+line are converted). Host and port come from the Serve config (`http_options`).
+"""
+
+# No `from __future__ import annotations`: Serve reads the builder's annotation as a class.
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.config import BackpressureConfig
+
+from model.config import PRESETS, EngineConfig
+from service.api import API_KEY_ENV, IngressSettings, OpenAIIngress
+from service.engine_deployment import EngineDeployment
+
+logger = logging.getLogger(__name__)
+
+
+class AppArgs(BaseModel):
+    """Builder arguments: the model, where it runs, the engine's knobs, admission limits."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = "transformer-base"  # a preset name or a checkpoint directory
+    served_model_name: str | None = None  # the `model` clients send; default: preset or directory name
+    accelerator: Literal["auto", "cpu", "gpu"] = "auto"  # auto: one GPU per replica if the cluster has GPUs
+    num_replicas: int = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None  # replaces num_replicas when given
+    dtype: str = "auto"
+    seed: int = 0
+    # engine (model.config.EngineConfig)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    # admission: requests in flight per engine replica, and queued per caller beyond that
+    max_ongoing_requests: int | None = Field(None, ge=1)  # default: max_num_seqs + a quarter of it
+    max_queued_requests: int = Field(256, ge=-1)
+    overload_status: Literal[503, 429] = 503
+    retry_after_s: float = Field(1.0, ge=0)
+    # HTTP edge
+    api_key: str | None = None  # default: the QKV_API_KEY environment variable
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    ingress_replicas: int = Field(1, ge=1)
+    # resources
+    engine_num_cpus: float = Field(1.0, gt=0)
+    ingress_num_cpus: float = Field(0.25, ge=0)
+    torch_threads: int | None = Field(None, ge=1)  # default: the engine's whole CPUs (at least 1)
+
+    def engine_config(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                              "kv_cache_bytes", "num_kv_blocks", "max_model_len")}
+
+    def resolved_max_ongoing(self) -> int:
+        # The whole batch plus a small waiting line inside the engine, which admits it between
+        # steps faster than Serve's router would; the rest waits (bounded) at the callers.
+        return self.max_ongoing_requests or self.max_num_seqs + max(4, self.max_num_seqs // 4)
+
+    def resolved_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if self.model in PRESETS else Path(self.model.rstrip("/")).name
+
+
+def use_gpu(accelerator: str) -> bool:
+    """auto: GPUs if the cluster has any (decided here, so a replica never waits forever for
+    a GPU that does not exist)."""
+    if accelerator != "auto":
+        return accelerator == "gpu"
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_app(args: AppArgs) -> serve.Application:
+    """The application: `OpenAIIngress` in front of `EngineDeployment`."""
+    if not isinstance(args, AppArgs):  # called directly with a dict
+        args = AppArgs.model_validate(args)
+    EngineConfig(**args.engine_config())  # fail here, not in a replica, on bad knobs
+    gpu = use_gpu(args.accelerator)
+    actor_options: dict[str, Any] = {"num_cpus": args.engine_num_cpus, "num_gpus": 1 if gpu else 0}
+    scaling: dict[str, Any] = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
+                               else {"num_replicas": args.num_replicas})
+    engine = EngineDeployment.options(
+        ray_actor_options=actor_options,
+        max_ongoing_requests=args.resolved_max_ongoing(),
+        max_queued_requests=args.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=args.overload_status, retry_after_s=args.retry_after_s),
+        **scaling,
+    ).bind(
+        model=args.model,
+        served_model_name=args.resolved_name(),
+        engine_config=args.engine_config(),
+        device="cuda" if gpu else "cpu",
+        dtype=args.dtype,
+        seed=args.seed,
+        torch_threads=args.torch_threads or (None if gpu else max(1, int(args.engine_num_cpus))),
+    )
+    settings = IngressSettings(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        overload_status=args.overload_status,
+        retry_after_s=args.retry_after_s,
+    )
+    logger.info("building %s on %s: %s, max_ongoing_requests=%d, max_queued_requests=%d, api key %s",
+                args.resolved_name(), "GPU" if gpu else "CPU", scaling, args.resolved_max_ongoing(),
+                args.max_queued_requests, "on" if settings.api_key else "off")
+    ingress = OpenAIIngress.options(
+        num_replicas=args.ingress_replicas,
+        ray_actor_options={"num_cpus": args.ingress_num_cpus},
+    )
+    return ingress.bind(engine, dataclasses.asdict(settings))

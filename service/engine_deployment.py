@@ -1,0 +1,142 @@
+"""The engine replica: hosts one `Engine`, streams token deltas, records the metrics.
+
+New requests join the running batch between steps (continuous batching, not `@serve.batch`).
+A caller that goes away (client disconnect -> the handle call is cancelled) aborts its
+sequences, so their KV blocks are freed by the next step. A dead step loop fails every request
+in flight and makes `check_health` raise, so Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import torch
+from ray import serve
+
+from model.config import EngineConfig
+from model.sequence import RequestOutput
+from service.engine_loop import EngineFailure, EngineLoop, SubRequest
+from service.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+GAUGE_REFRESH_S = 2.0  # well under the ~20 s after which Ray stops exporting an unset gauge
+
+
+@dataclass
+class ModelInfo:
+    """What the HTTP edge needs to validate and tokenize without loading the model."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int  # the embedding's size: valid token ids are below it
+    eos_token_id: int | None
+    num_kv_blocks: int
+    block_size: int
+    tokenizer: Any  # model.tokenizer.Tokenizer; picklable, so the ingress tokenizes itself
+
+
+@serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
+class EngineDeployment:
+    """One `Engine` per replica; see the module docstring."""
+
+    async def __init__(
+        self,
+        model: str,
+        served_model_name: str,
+        engine_config: dict[str, Any],
+        device: str = "auto",
+        dtype: str = "auto",
+        seed: int = 0,
+        torch_threads: int | None = None,
+    ) -> None:
+        from model.engine import Engine  # heavy import; keeps this module importable without it
+
+        if torch_threads:
+            # The step thread is the only torch user here; Ray's default of OMP_NUM_THREADS=1
+            # for fractional CPUs would otherwise leave cores idle (or oversubscribe them).
+            torch.set_num_threads(torch_threads)
+        config = EngineConfig(**engine_config)
+        # Building the model is long synchronous work: keep the replica's event loop responsive.
+        self._engine = await asyncio.to_thread(
+            Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed
+        )
+        self._served_model_name = served_model_name
+        self._metrics = EngineMetrics(served_model_name)
+        self._loop = EngineLoop(self._engine)
+        self._loop.start()
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+        runtime = self._engine.runtime
+        logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d",
+                    model, runtime.device, runtime.dtype, runtime.max_model_len, runtime.num_kv_blocks,
+                    torch.get_num_threads())
+
+    def model_info(self) -> ModelInfo:
+        runtime = self._engine.runtime
+        return ModelInfo(
+            served_model_name=self._served_model_name,
+            max_model_len=runtime.max_model_len,
+            vocab_size=self._engine.model_config.vocab_size,
+            eos_token_id=runtime.eos_token_id,
+            num_kv_blocks=runtime.num_kv_blocks,
+            block_size=runtime.block_size,
+            tokenizer=self._engine.tokenizer,
+        )
+
+    async def generate(self, requests: list[SubRequest]) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
+        """Stream the deltas of `requests` (the choices of one HTTP request) as they come out
+        of the steps; several steps are merged when the caller reads slower than they come.
+        An `EngineFailure` is the last item when the requests cannot go on."""
+        sink = self._loop.submit(requests)
+        pending = {r.request_id for r in requests}
+        last_token_time: dict[str, float | None] = dict.fromkeys(pending)
+        try:
+            while pending:
+                batch: list[RequestOutput] = []
+                for item in await sink.get_all():
+                    if isinstance(item, EngineFailure):
+                        if batch:
+                            yield batch
+                        yield item
+                        return
+                    batch.extend(item)
+                for out in batch:
+                    last_token_time[out.request_id] = self._metrics.observe(out, last_token_time[out.request_id])
+                    if out.finished:
+                        pending.discard(out.request_id)
+                yield batch
+        finally:
+            # Reached on normal completion, on cancellation (client gone) and on aclose().
+            if pending:
+                logger.info("aborting %d request(s): the caller went away", len(pending))
+                self._loop.abort(sorted(pending))
+
+    def healthy(self) -> bool:
+        """False once the step loop has died."""
+        return self._loop.alive
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The latest `EngineStats` snapshot as a dict (debugging and tests)."""
+        return dataclasses.asdict(self._loop.stats)
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica."""
+        if not self._loop.alive:
+            raise RuntimeError(f"engine step loop is dead: {self._loop.error}")
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            try:
+                self._metrics.refresh(self._loop.stats)
+            except Exception:  # a metrics hiccup must not stop the refresher
+                logger.exception("could not refresh the engine gauges")
+            await asyncio.sleep(GAUGE_REFRESH_S)
+
+    def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.stop(timeout_s=1.0)

@@ -1,0 +1,169 @@
+"""The engine's step loop on its own thread, bridged to asyncio.
+
+`Engine` is not thread-safe, so one thread owns it: it applies queued adds and aborts between
+steps, runs `step()` while there is work, and hands each step's outputs to the asyncio queues
+of the callers through `loop.call_soon_threadsafe`. The replica's event loop therefore stays
+free to accept, stream and cancel while torch runs (torch releases the GIL in its kernels).
+No Ray here, so it can be tested alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from model.sampling_params import SamplingParams
+from model.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAKEUP_S = 1.0  # an idle loop still refreshes its stats this often
+
+
+@dataclass
+class SubRequest:
+    """One engine request: one (prompt, choice) pair of an HTTP request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class EngineFailure:
+    """Sent instead of outputs when a request cannot go on: bad input (400) or a dead loop."""
+
+    status: int
+    message: str
+
+
+class _Sink:
+    """Where one caller's outputs land: an asyncio queue fed from the loop thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[list[RequestOutput] | EngineFailure] = asyncio.Queue()
+
+    def put_threadsafe(self, item: list[RequestOutput] | EngineFailure) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def get_all(self) -> list[list[RequestOutput] | EngineFailure]:
+        """Wait for one item, then take everything already queued, so a slow consumer
+        gets several steps at once instead of falling behind."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
+
+
+class EngineLoop:
+    """Owns an `Engine` and runs its steps on a dedicated daemon thread."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any, _Sink | None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._sinks: dict[str, _Sink] = {}  # touched only by the loop thread
+        self._stopping = False
+        self.error: str | None = None
+        self.stats = engine.stats()  # a snapshot, replaced (never mutated) by the loop thread
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout_s)
+
+    def submit(self, requests: list[SubRequest]) -> _Sink:
+        """Queue `requests` for the next step; their outputs (lists of deltas) or an
+        `EngineFailure` arrive on the returned sink. Call from the event loop that reads it."""
+        sink = _Sink(asyncio.get_running_loop())
+        if not self.alive:
+            sink.put_threadsafe(EngineFailure(503, f"The engine is not running: {self.error or 'stopped'}"))
+            return sink
+        for request in requests:
+            self._commands.put(("add", request, sink))
+        self._wakeup.set()
+        if not self.alive:  # died while we queued: the loop may never drain these commands
+            sink.put_threadsafe(EngineFailure(503, f"The engine is not running: {self.error or 'stopped'}"))
+        return sink
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their blocks are freed by
+        the next step."""
+        for request_id in request_ids:
+            self._commands.put(("abort", request_id, None))
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self._engine.has_unfinished():
+                    self.stats = self._engine.stats()
+                    self._wakeup.wait(IDLE_WAKEUP_S)
+                    self._wakeup.clear()
+                    continue
+                outputs = self._engine.step()
+                self.stats = self._engine.stats()
+                self._dispatch(outputs)
+        except Exception as exc:  # the step itself failed: nothing in flight can go on
+            logger.exception("engine step loop died")
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                self._engine.abort_request(payload)
+                continue
+            try:
+                self._engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params)
+            except ValueError as exc:  # the HTTP edge checks first; this is the last line
+                sink.put_threadsafe(EngineFailure(400, str(exc)))
+                continue
+            self._sinks[payload.request_id] = sink
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_sink: dict[int, tuple[_Sink, list[RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            by_sink.setdefault(id(sink), (sink, []))[1].append(out)
+            if out.finished:
+                del self._sinks[out.request_id]
+        for sink, outs in by_sink.values():
+            sink.put_threadsafe(outs)
+
+    def _fail_all(self, reason: str) -> None:
+        self.error = reason
+        failure = EngineFailure(500, f"The engine failed while generating ({reason}); the replica will be replaced.")
+        sinks = {id(s): s for s in self._sinks.values()}
+        while True:  # requests queued but never added fail too
+            try:
+                _, _, sink = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if sink is not None:
+                sinks[id(sink)] = sink
+        self._sinks.clear()
+        for sink in sinks.values():
+            sink.put_threadsafe(failure)

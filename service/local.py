@@ -1,0 +1,59 @@
+"""Start the service on this machine (tests, benchmarks, demos) and stop it again.
+
+A fresh local Ray instance on loopback, Serve's HTTP proxy on a chosen port, the application
+from `build_app`; everything is shut down on exit, whatever happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+from service.app import build_app
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
+                  metrics_port: int | None = None, metrics_interval_ms: int = 1000) -> Iterator[str]:
+    """Run `build_app(args)` on a new local Ray (never an existing cluster); yields the base URL.
+
+    With `metrics_port`, Ray's Prometheus endpoint is http://127.0.0.1:<metrics_port>/metrics and
+    metrics are reported every `metrics_interval_ms`.
+    """
+    init: dict[str, Any] = {"address": "local", "num_cpus": num_cpus, "include_dashboard": False,
+                            "_node_ip_address": "127.0.0.1", "logging_level": logging.WARNING}
+    if metrics_port is not None:
+        init["_metrics_export_port"] = metrics_port
+        init["_system_config"] = {"metrics_report_interval_ms": metrics_interval_ms}
+    ray.init(**init)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.run(build_app(args), name="qkv", route_prefix="/")
+        yield f"http://127.0.0.1:{http_port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def write_tiny_checkpoint(path: str | Path, max_position: int = 256, **config: Any) -> Path:
+    """A small random-weight model directory (byte tokenizer): fast enough for tests on a CPU."""
+    from model.checkpoint import save_model
+    from model.config import ModelConfig
+    from model.transformer import Transformer
+
+    cfg = ModelConfig(**({"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_position": max_position}
+                         | config))
+    net = Transformer(cfg)
+    net.init_weights(cfg.init_seed)
+    save_model(net, path)
+    return Path(path)

@@ -1,0 +1,88 @@
+"""The service's Prometheus metrics, recorded through Ray's metrics pipeline.
+
+`ray.serve.metrics` sends them to each node's metrics agent, which exports them with a `ray_`
+prefix (and the deployment/replica labels), so they add up across replicas and nodes. Latencies
+come from the engine's own timestamps (`RequestTimes`, `token_times`), not from the HTTP edge.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from model.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0]
+_E2E_BUCKETS = [0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0]
+
+_MODEL = ("model_name",)
+
+
+class EngineMetrics:
+    """All `qkv_*` metrics of one engine replica, labelled with the served model name."""
+
+    def __init__(self, model_name: str) -> None:
+        tags = {"model_name": model_name}
+        self.ttft = Histogram("qkv_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              _LATENCY_BUCKETS, _MODEL)
+        self.itl = Histogram("qkv_inter_token_latency_seconds", "Time between two generated tokens of a request.",
+                             _ITL_BUCKETS, _MODEL)
+        self.e2e = Histogram("qkv_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             _E2E_BUCKETS, _MODEL)
+        self.queue_time = Histogram("qkv_request_queue_time_seconds", "Time from arrival to first being scheduled.",
+                                    _E2E_BUCKETS, _MODEL)
+        self.prompt_tokens = Counter("qkv_prompt_tokens_total", "Prompt tokens of finished requests.", _MODEL)
+        self.generation_tokens = Counter("qkv_generation_tokens_total", "Generated tokens.", _MODEL)
+        self.success = Counter("qkv_request_success_total", "Finished requests by finish reason.",
+                               _MODEL + ("finished_reason",))
+        self.preemptions = Counter("qkv_num_preemptions_total", "Sequences preempted to free KV blocks.", _MODEL)
+        self.running = Gauge("qkv_num_requests_running", "Requests in the running batch.", _MODEL)
+        self.waiting = Gauge("qkv_num_requests_waiting", "Requests waiting to be scheduled.", _MODEL)
+        self.kv_usage = Gauge("qkv_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", _MODEL)
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
+                       self.success, self.preemptions, self.running, self.waiting, self.kv_usage):
+            metric.set_default_tags(dict(tags))
+        self._preemptions_seen = 0
+
+    def observe(self, out: RequestOutput, last_token_time: float | None) -> float | None:
+        """Record one output delta; returns the time of its last token, which the caller passes
+        back with the next delta of the same request for the inter-token latencies."""
+        if out.new_token_ids:
+            self.generation_tokens.inc(len(out.new_token_ids))
+        for t in out.token_times:
+            if last_token_time is not None:
+                self.itl.observe(max(t - last_token_time, 0.0))
+            last_token_time = t
+        if out.finished:
+            self._observe_finished(out)
+        return last_token_time
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        times = out.times
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.success.inc(1, tags={"finished_reason": out.finish_reason or "unknown"})
+        if times.first_token is not None:
+            self.ttft.observe(max(times.first_token - times.arrival, 0.0))
+        if times.first_scheduled is not None:
+            self.queue_time.observe(max(times.first_scheduled - times.arrival, 0.0))
+        end = times.finished if times.finished is not None else times.last_token
+        if end is not None:
+            self.e2e.observe(max(end - times.arrival, 0.0))
+
+    def refresh(self, stats: object) -> None:
+        """Set the gauges from an `EngineStats` snapshot. Called on a timer even when idle:
+        Ray drops a gauge from its export when it has not been set for a while."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        total = stats.num_preemptions_total
+        if total > self._preemptions_seen:
+            self.preemptions.inc(total - self._preemptions_seen)
+        self._preemptions_seen = total

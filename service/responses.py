@@ -1,0 +1,155 @@
+"""OpenAI response bodies and stream chunks, built from the engine's output deltas.
+
+Plain dicts in the shapes of the OpenAI API (`text_completion`, `chat.completion`,
+`chat.completion.chunk`); `json.dumps` of them is what leaves the server.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.sequence import RequestOutput, TokenLogprob
+
+
+@dataclass
+class ChoiceState:
+    """Everything generated so far for one choice."""
+
+    index: int
+    prompt_index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add(self, out: RequestOutput) -> None:
+        self.text_parts.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs or [])
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event line."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class _TokenText:
+    """Token id -> the text and bytes it stands for, as logprobs report them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def bytes(self, token_id: int) -> bytes:
+        try:
+            return self._tokenizer.id_to_bytes(token_id)
+        except (ValueError, IndexError):
+            return b""
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+
+class CompletionFormat:
+    """Bodies of `/v1/completions`."""
+
+    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, logprobs: int | None) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self._tokens = _TokenText(tokenizer)
+        self._want_logprobs = logprobs is not None
+
+    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if not self._want_logprobs:
+            return None
+        tokens = [self._tokens.text(lp.token_id) for lp in lps]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._tokens.text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
+              offset: int = 0) -> dict[str, Any]:
+        """A stream chunk carrying `text` for choice `index`; `offset` is where it starts."""
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(lps, offset),
+                  "finish_reason": finish_reason}
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [], "usage": usage_}
+
+    def response(self, choices: list[ChoiceState], prefixes: list[str], usage_: dict[str, int]) -> dict[str, Any]:
+        """The whole (non-streamed) response; `prefixes[i]` is choice i's echoed prompt or ""."""
+        body = []
+        for c, prefix in zip(choices, prefixes):
+            body.append({"index": c.index, "text": prefix + c.text,
+                         "logprobs": self._logprobs(c.logprobs, len(prefix)), "finish_reason": c.finish_reason})
+        return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": body, "usage": usage_}
+
+
+class ChatFormat:
+    """Bodies of `/v1/chat/completions`."""
+
+    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, logprobs: int | None) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self._tokens = _TokenText(tokenizer)
+        self._want_logprobs = logprobs is not None
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self._tokens.bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self._want_logprobs:
+            return None
+        return {"content": [self._entry(lp.token_id, lp.logprob)
+                            | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """The first chunk of a choice: the assistant role, no text yet."""
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
+              offset: int = 0) -> dict[str, Any]:
+        delta = {"content": text} if text or finish_reason is None else {}
+        return self._chunk([{"index": index, "delta": delta, "logprobs": self._logprobs(lps),
+                             "finish_reason": finish_reason}])
+
+    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+        return self._chunk([]) | {"usage": usage_}
+
+    def response(self, choices: list[ChoiceState], prefixes: list[str], usage_: dict[str, int]) -> dict[str, Any]:
+        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason} for c in choices]
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": body, "usage": usage_}

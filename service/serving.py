@@ -1,0 +1,248 @@
+"""The OpenAI endpoints' logic: validate and tokenize, run through the engine handle, format.
+
+Everything a client can get wrong is checked here, before the engine sees it, and becomes an
+`APIError` (400 naming the parameter). One HTTP request is one streaming handle call carrying
+all its (prompt, choice) pairs, so Serve's admission limits count HTTP requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from model.sequence import RequestOutput
+from service.chat import ChatTemplate
+from service.engine_deployment import ModelInfo
+from service.engine_loop import EngineFailure, SubRequest
+from service.errors import APIError, from_value_error, overloaded_error
+from service.protocol import SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt
+from service.responses import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, sse, usage
+
+logger = logging.getLogger(__name__)
+
+MAX_CHOICES_TOTAL = 64  # n x prompts in one request
+
+
+@dataclass(frozen=True)
+class OverloadPolicy:
+    """How a request turned away by the bounded queue is answered."""
+
+    status: int = 503
+    retry_after_s: float = 1.0
+
+
+class _Run:
+    """The engine call of one HTTP request: started, read batch by batch, cancelled."""
+
+    def __init__(self, handle: Any, requests: list[SubRequest], overload: OverloadPolicy) -> None:
+        self._handle, self._requests, self._overload = handle, requests, overload
+        self._gen: Any = None
+        self._first: list[RequestOutput] | None = None
+        self.done = False
+
+    async def start(self) -> None:
+        """Send the call and wait for its first item, so a rejection (overload, bad input)
+        is still a plain HTTP error rather than a broken stream."""
+        self._gen = self._handle.generate.remote(self._requests)
+        self._first = self._check(await self._next())
+
+    async def _next(self) -> Any:
+        try:
+            return await self._gen.__anext__()
+        except BackPressureError:
+            raise overloaded_error(self._overload.status, self._overload.retry_after_s) from None
+        except DeploymentUnavailableError:
+            raise APIError("The engine deployment is unavailable; retry later.", 503, "server_error",
+                           headers={"Retry-After": "5"}) from None
+        except (RayActorError, RayTaskError) as exc:
+            logger.warning("engine call failed: %s", type(exc).__name__)
+            raise APIError("The engine replica failed while serving this request.", 500, "server_error") from None
+
+    def _check(self, item: Any) -> list[RequestOutput]:
+        if isinstance(item, EngineFailure):
+            self.done = True
+            kind = "invalid_request_error" if item.status == 400 else "server_error"
+            raise APIError(item.message, item.status, kind)
+        return item
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Every batch of deltas, the first one included; raises `APIError` on failure."""
+        first, self._first = self._first, None
+        if first is not None:
+            yield first
+        while True:
+            try:
+                item = await self._next()
+            except StopAsyncIteration:
+                self.done = True
+                return
+            yield self._check(item)
+
+    def cancel(self) -> None:
+        """Abort what is still running (client gone, or an error on our side)."""
+        if self._gen is not None and not self.done:
+            self._gen.cancel()
+            self.done = True
+
+
+class OpenAIServing:
+    """Completions and chat completions over one engine deployment."""
+
+    def __init__(self, info: ModelInfo, engine_handle: Any, overload: OverloadPolicy) -> None:
+        self.info = info
+        self.tokenizer = info.tokenizer
+        self._handle = engine_handle.options(stream=True)
+        self._overload = overload
+        eos = info.tokenizer.decode([info.eos_token_id]) if info.eos_token_id is not None else ""
+        self.chat_template = ChatTemplate(getattr(info.tokenizer, "chat_template", None), eos_token=eos)
+
+    # ---- checks -----------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        """No model means the served one; any other name is a 404."""
+        if model is not None and model != self.info.served_model_name:
+            raise APIError(f"The model '{model}' does not exist; this server serves "
+                           f"'{self.info.served_model_name}'.", 404, "invalid_request_error", "model",
+                           "model_not_found")
+
+    def token_ids(self, prompt: Prompt, param: str = "prompt") -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(f"{param} must not be empty", param=param)
+        bad = next((t for t in ids if t >= self.info.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} in {param} is outside the vocabulary: allowed 0..{self.info.vocab_size - 1}",
+                           param=param)
+        return ids
+
+    def _completion_budget(self, num_prompt: int, requested: int | None, param: str) -> int:
+        """max_tokens for a prompt: the request's, or all the context that is left."""
+        limit = self.info.max_model_len
+        wanted = requested if requested is not None else max(limit - num_prompt, 1)
+        if num_prompt + wanted > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{num_prompt + wanted} tokens ({num_prompt} in the prompt, {wanted} in the "
+                           "completion). Please reduce the length of the prompt or the completion.",
+                           param=param,
+                           code="context_length_exceeded")
+        return wanted
+
+    def _sub_requests(self, request_id: str, prompts: list[list[int]],
+                      req: CompletionRequest | ChatCompletionRequest) -> list[SubRequest]:
+        if len(prompts) * req.n > MAX_CHOICES_TOTAL:
+            raise APIError(f"n x number of prompts may be at most {MAX_CHOICES_TOTAL}, got "
+                           f"{req.n} x {len(prompts)}", param="n")
+        subs = []
+        requested = req.requested_max_tokens()
+        for i, ids in enumerate(prompts):
+            budget = self._completion_budget(len(ids), requested,
+                                             "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
+            for j in range(req.n):
+                try:
+                    params = req.to_sampling_params(budget, choice=j)
+                except ValueError as exc:
+                    raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
+                subs.append(SubRequest(f"{request_id}-{i * req.n + j}", ids, params))
+        return subs
+
+    # ---- endpoints ----------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        """`/v1/completions`: a response body, or SSE lines when streaming."""
+        self.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+        prompts = [self.token_ids(p) for p in req.prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        fmt = CompletionFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
+                               req.logprobs)
+        echoes = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        prefixes = [echoes[i // req.n] for i in range(len(prompts) * req.n)]
+        return await self._generate(request_id, prompts, req, fmt, prefixes)
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        """`/v1/chat/completions`: the messages through the chat template, then as completions."""
+        self.check_model(req.model)
+        text = self.chat_template.render(req.messages, req.add_generation_prompt)
+        prompts = [self.token_ids(text, param="messages")]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = ChatFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
+                         req.logprobs_count())
+        return await self._generate(request_id, prompts, req, fmt, [""] * req.n)
+
+    async def _generate(self, request_id: str, prompts: list[list[int]],
+                        req: CompletionRequest | ChatCompletionRequest, fmt: CompletionFormat | ChatFormat,
+                        prefixes: list[str]) -> dict[str, Any] | AsyncIterator[str]:
+        subs = self._sub_requests(request_id, prompts, req)
+        index_of = {s.request_id: k for k, s in enumerate(subs)}
+        choices = [ChoiceState(k, k // req.n) for k in range(len(subs))]
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        run = _Run(self._handle, subs, self._overload)
+        try:
+            await run.start()
+        except BaseException:
+            run.cancel()
+            raise
+        if req.stream:
+            return self._stream(run, fmt, choices, index_of, prefixes, num_prompt_tokens, req.include_usage)
+        try:
+            async for batch in run.batches():
+                for out in batch:
+                    choices[index_of[out.request_id]].add(out)
+        finally:  # cancellation (client gone) lands here too: abort what still runs
+            run.cancel()
+        completion_tokens = sum(c.num_output_tokens for c in choices)
+        return fmt.response(choices, prefixes, usage(num_prompt_tokens, completion_tokens))
+
+    async def _stream(self, run: _Run, fmt: CompletionFormat | ChatFormat, choices: list[ChoiceState],
+                      index_of: dict[str, int], prefixes: list[str], num_prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """SSE lines: one chunk per choice per batch, optional usage, then [DONE]. An error
+        after the stream started is sent as an `error` event before [DONE]."""
+        try:
+            for c in choices:
+                if isinstance(fmt, ChatFormat):
+                    yield sse(fmt.role_chunk(c.index))
+                elif prefixes[c.index]:
+                    yield sse(fmt.chunk(c.index, prefixes[c.index], [], None))
+            async for batch in run.batches():
+                for index, outs in _group(batch, index_of).items():
+                    yield sse(self._delta_chunk(fmt, choices[index], outs, len(prefixes[index])))
+            if include_usage:
+                yield sse(fmt.usage_chunk(usage(num_prompt_tokens, sum(c.num_output_tokens for c in choices))))
+        except APIError as exc:
+            yield sse(exc.body())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("stream failed")
+            yield sse(APIError("Internal error while streaming.", 500, "server_error").body())
+        finally:
+            run.cancel()
+        yield SSE_DONE
+
+    @staticmethod
+    def _delta_chunk(fmt: CompletionFormat | ChatFormat, choice: ChoiceState, outs: list[RequestOutput],
+                     prefix_len: int) -> dict[str, Any]:
+        offset = prefix_len + len(choice.text)
+        lps_before = len(choice.logprobs)
+        for out in outs:
+            choice.add(out)
+        text = "".join(out.new_text for out in outs)
+        return fmt.chunk(choice.index, text, choice.logprobs[lps_before:], choice.finish_reason, offset)
+
+
+def _group(batch: list[RequestOutput], index_of: dict[str, int]) -> dict[int, list[RequestOutput]]:
+    """The deltas of one batch by choice index, in order."""
+    grouped: dict[int, list[RequestOutput]] = {}
+    for out in batch:
+        grouped.setdefault(index_of[out.request_id], []).append(out)
+    return grouped
