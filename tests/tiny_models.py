@@ -1,0 +1,92 @@
+"""Tiny random GPT-2 checkpoints built with HF `transformers` (plus a byte-level BPE
+`tokenizer.json` built with `tokenizers`), and a one-call full forward pass of our model.
+
+Nothing is downloaded: every model comes from a fixed torch seed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.transformer import Transformer
+
+EOS_TOKEN = "<|endoftext|>"
+# Enough text for a few hundred BPE merges; any fixed text would do.
+_CORPUS = [
+    "The cat sat on the mat. The dog sat on the log. A bird sang in the tree.",
+    "Attention is all you need: queries, keys and values, scaled dot products.",
+    "Le chat est sur le tapis. Der Hund liegt auf dem Teppich. 猫はマットの上に座った。",
+    "Emoji too: 🙂🚀✨, numbers 0123456789, and punctuation !?;:()[]{}.",
+    "She sells sea shells by the sea shore; the shells she sells are sea shells.",
+    "In the beginning there was a token, and then another token, and then many more.",
+] * 4
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE `tokenizers.Tokenizer` with at most `vocab_size` ids; id 0 is EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"a byte-level tokenizer needs vocab_size >= 257, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    return tok
+
+
+def build_tiny_gpt2(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, vocab_size: int = 301,
+                    n_positions: int = 128, seed: int = 0, eos_token_id: int | None = 0):
+    """A random `transformers.GPT2LMHeadModel` in eval mode, the same for one seed.
+
+    Biases and LayerNorm parameters get noise too (HF initialises them to 0 and 1), so a
+    mix-up of any two tensors changes the logits.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
+                        n_positions=n_positions, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+                        initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_tiny_gpt2(directory: str | Path, n_layer: int = 2, n_head: int = 2, n_embd: int = 64,
+                   vocab_size: int = 301, n_positions: int = 128, seed: int = 0, with_tokenizer: bool = True,
+                   sharded: bool = False) -> Path:
+    """Save `build_tiny_gpt2(...)` with `save_pretrained` (safetensors) to `directory`.
+
+    `with_tokenizer` adds a `tokenizer.json` (needs vocab_size >= 257); `sharded` splits the
+    weights into several files with a `model.safetensors.index.json`.
+    """
+    directory = Path(directory)
+    model = build_tiny_gpt2(n_layer, n_head, n_embd, vocab_size, n_positions, seed)
+    model.save_pretrained(directory, max_shard_size="20KB" if sharded else "10GB")
+    if with_tokenizer:
+        build_tokenizer(vocab_size).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def full_logits(model: Transformer, token_ids: list[int] | torch.Tensor, block_size: int = 16) -> torch.Tensor:
+    """Our model's logits (T, vocab) for one sequence, prefilled in one pass over a fresh cache."""
+    tokens = torch.as_tensor(token_ids, dtype=torch.long)
+    t = tokens.shape[0]
+    cfg = model.cfg
+    num_blocks = math.ceil(t / block_size)
+    dtype = model.wte.weight.dtype
+    cache = KVCache(cfg.n_layers, num_blocks, block_size, cfg.n_heads, cfg.d_head, dtype, "cpu")
+    meta = AttnMetadata(slot_mapping=torch.arange(t), prefills=[
+        PrefillChunk(start=0, length=t, context_len=t, block_table=torch.arange(num_blocks))])
+    with torch.no_grad():
+        return model.compute_logits(model(tokens, torch.arange(t), meta, cache))
