@@ -96,7 +96,9 @@ class HFTokenizer:
     """A `tokenizer.json` through the `tokenizers` library, with eos and chat template from
     `tokenizer_config.json` / `config.json` in the same directory."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, model_vocab_size: int | None = None) -> None:
+        """`model_vocab_size`: the model's embedding size when it is padded beyond the
+        tokenizer's vocabulary; those extra ids decode to nothing."""
         from tokenizers import Tokenizer as _RustTokenizer  # lazy: only HF checkpoints need it
 
         directory = Path(path)
@@ -111,6 +113,10 @@ class HFTokenizer:
         self.eos_token_id = self._find_eos(tok_config, _read_json(directory / "config.json"))
         self.chat_template = _find_chat_template(directory, tok_config)
         self._id_bytes = self._build_id_bytes(vocab, json.loads(file.read_text("utf-8")).get("decoder"))
+        self._num_real_ids = self.vocab_size
+        if model_vocab_size is not None and model_vocab_size > self.vocab_size:
+            self._id_bytes += [b""] * (model_vocab_size - self.vocab_size)
+            self.vocab_size = model_vocab_size
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -118,7 +124,8 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         for i in ids:
             _check_id(i, self.vocab_size)
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        real = [i for i in ids if i < self._num_real_ids]  # padding ids of the embedding decode to nothing
+        return self._tok.decode(real, skip_special_tokens=True)
 
     def id_to_bytes(self, token_id: int) -> bytes:
         _check_id(token_id, self.vocab_size)
@@ -189,7 +196,7 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
     is refused.
     """
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-        tokenizer: Tokenizer = HFTokenizer(model_dir)
+        tokenizer: Tokenizer = HFTokenizer(model_dir, model_vocab_size=vocab_size)
         if tokenizer.vocab_size > vocab_size:
             raise ValueError(
                 f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than the model's embedding ({vocab_size})"
