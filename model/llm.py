@@ -48,12 +48,20 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         outs: dict[str, CompletionOutput] = {}
         order = []
-        for prompt, p in zip(prompts, params):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
-            outs[rid] = CompletionOutput(ids, logprobs=[] if p.logprobs is not None else None)
-            order.append(rid)
+        try:
+            for prompt, p in zip(prompts, params):
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, ids, p)
+                outs[rid] = CompletionOutput(ids, logprobs=[] if p.logprobs is not None else None)
+                order.append(rid)
+        except Exception:
+            # A bad prompt: drop the ones already queued, or the next call would meet them.
+            for rid in order:
+                self.engine.abort_request(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 out = outs[delta.request_id]
