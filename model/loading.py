@@ -20,9 +20,15 @@ def resolve_device(device: str) -> torch.device:
     """"auto" picks CUDA when present, else CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available")
-    return torch.device(device)
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
