@@ -131,6 +131,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     if err["type"] == "json_invalid":
         return APIError(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
     param = _param_path(tuple(err["loc"]))
+    if param is None and err["type"] == "value_error":  # a rule over several fields
+        return APIError(str((err.get("ctx") or {}).get("error", err["msg"])))
     if param is None:  # the body itself has the wrong type (e.g. a JSON array)
         return APIError(f"The request body must be a JSON object, got {_show(err.get('input'))}")
     return APIError(_describe(err, param), param=param)
