@@ -15,7 +15,7 @@ from model.config import ModelConfig
 from model.kv_cache import AttnMetadata, KVCache
 
 # Upper bound on the elements of the (B, H, Lq, S, d) tensor additive attention builds at once.
-ADDITIVE_CHUNK_ELEMS = 1 << 24
+ADDITIVE_CHUNK_ELEMS = 1 << 22
 
 
 class DotScore(nn.Module):
@@ -24,11 +24,24 @@ class DotScore(nn.Module):
     def project_keys(self, k: torch.Tensor) -> torch.Tensor:
         return k
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               causal: bool = False) -> torch.Tensor:
-        """q (B, H, Lq, d), k/v (B, H, S, d), mask bool broadcastable to (B, H, Lq, S) -> (B, H, Lq, d)."""
-        # SDPA scales by 1/sqrt(d_k) itself.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               causal_offset: int | None = None) -> torch.Tensor:
+        """q (B, H, Lq, d), k/v (B, H, S, d) -> (B, H, Lq, d).
+
+        `mask`: bool, broadcastable to (B, H, Lq, S), True where a key may be seen.
+        `causal_offset`: query i sits at position causal_offset + i and sees keys 0 .. that position.
+        """
+        if causal_offset is not None:
+            if causal_offset == 0 and mask is None:
+                # SDPA scales by 1/sqrt(d_k) itself.
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            mask = causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def causal_mask(lq: int, s: int, offset: int, device: torch.device) -> torch.Tensor:
+    """(Lq, S) bool: query i sees keys 0 .. offset + i."""
+    return torch.ones(lq, s, dtype=torch.bool, device=device).tril(offset)
 
 
 class AdditiveScore(nn.Module):
@@ -44,24 +57,27 @@ class AdditiveScore(nn.Module):
         """(T, H, d) keys -> (T, H, d) projected keys W_k k, the form the cache stores."""
         return torch.einsum("thd,hde->the", k, self.w_k)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               causal: bool = False) -> torch.Tensor:
-        """Same shapes as `DotScore.attend`; `k` holds projected keys. Chunked over queries
-        so that a long prefill never builds the whole (Lq, S, d) tensor at once."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               causal_offset: int | None = None) -> torch.Tensor:
+        """Same contract as `DotScore.attend`; `k` holds projected keys. Chunked over queries
+        so that a long prefill never builds the whole (Lq, S, d) tensor at once; with a
+        causal offset each chunk only scores the keys it can see."""
         b, h, lq, d = q.shape
         s = k.shape[2]
-        if causal and mask is None:
-            mask = torch.ones(lq, s, dtype=torch.bool, device=q.device).tril(s - lq)
         qp = torch.einsum("bhld,hde->bhle", q, self.w_q)  # (B, H, Lq, d)
         step = max(1, ADDITIVE_CHUNK_ELEMS // max(1, b * h * s * d))
         outs = []
         for i in range(0, lq, step):
-            feats = torch.tanh(qp[:, :, i:i + step, None, :] + k[:, :, None, :, :])  # (B, H, c, S, d)
-            scores = torch.einsum("bhcsd,hd->bhcs", feats, self.v)  # (B, H, c, S)
+            c = min(step, lq - i)
+            end = s if causal_offset is None else min(s, causal_offset + i + c)  # keys this chunk sees
+            feats = torch.tanh(qp[:, :, i:i + c, None, :] + k[:, :, None, :end, :])  # (B, H, c, S', d)
+            scores = torch.einsum("bhcsd,hd->bhcs", feats, self.v)  # (B, H, c, S')
+            if causal_offset is not None:
+                scores = scores.masked_fill(~causal_mask(c, end, causal_offset + i, q.device), float("-inf"))
             if mask is not None:
-                m = mask[..., i:i + step, :] if mask.shape[-2] > 1 else mask
+                m = mask[..., i:i + c, :end] if mask.shape[-2] > 1 else mask[..., :end]
                 scores = scores.masked_fill(~m, float("-inf"))
-            outs.append(torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v)  # (B, H, c, d)
+            outs.append(torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v[:, :, :end])  # (B, H, c, d)
         return torch.cat(outs, dim=2)
 
 
@@ -98,7 +114,7 @@ class MultiHeadAttention(nn.Module):
         s = meta.decode_max_context
         k, v = k[:, :s].transpose(1, 2), v[:, :s].transpose(1, 2)  # (B, H, S, d)
         mask = meta.decode_mask(cache.block_size)[..., :s]  # (B, 1, 1, S)
-        return self.score.attend(q.unsqueeze(2), k, v, mask).squeeze(2)
+        return self.score.attend(q.unsqueeze(2), k, v, mask=mask).squeeze(2)
 
     def _prefill(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
                  cache: KVCache) -> torch.Tensor:
@@ -106,10 +122,6 @@ class MultiHeadAttention(nn.Module):
         length = q.shape[0]
         k, v = cache.gather(self.layer, block_table[None])  # (1, S_blocks, H, d)
         k, v = k[:, :context_len].transpose(1, 2), v[:, :context_len].transpose(1, 2)  # (1, H, S, d)
-        start = context_len - length
-        mask = None
-        if start:
-            # Query i sits at position start + i and sees keys 0 .. start + i.
-            mask = torch.ones(length, context_len, dtype=torch.bool, device=q.device).tril(start)
-        out = self.score.attend(q.transpose(0, 1)[None], k, v, mask, causal=True)  # (1, H, L, d)
+        start = context_len - length  # query i sits at position start + i
+        out = self.score.attend(q.transpose(0, 1)[None], k, v, causal_offset=start)  # (1, H, L, d)
         return out[0].transpose(0, 1)
