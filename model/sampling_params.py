@@ -5,19 +5,28 @@ Plain dataclass with no torch import, so the scheduler and the HTTP layer can us
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Below this temperature sampling is greedy: logits / temperature would overflow float32
+# (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
 
 
-def _check_range(name: str, value: float, lo: float | None, hi: float | None, allowed: str) -> None:
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+def _check_range(name: str, value: float, lo: float | None, hi: float | None, allowed: str,
+                 integer: bool = False) -> None:
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {allowed}, got {value!r}")
+    # NaN compares false with everything: reject it explicitly.
+    if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass
 class SamplingParams:
-    """Decoding parameters of one request. `temperature=0` is greedy.
+    """Decoding parameters of one request. `temperature=0` (or below 1e-5) is greedy.
 
     Bad values raise `ValueError` naming the field, the value and the allowed range.
     """
@@ -44,18 +53,16 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check_range("max_tokens", self.max_tokens, 1, None, ">= 1")
+        _check_range("max_tokens", self.max_tokens, 1, None, ">= 1", integer=True)
         _check_range("temperature", self.temperature, 0.0, 2.0, "in [0, 2]")
         _check_range("top_p", self.top_p, 1e-9, 1.0, "in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+        _check_range("top_k", self.top_k, -1, None, "-1 (disabled), 0 (disabled) or >= 1", integer=True)
         if self.seed is not None:
-            _check_range("seed", self.seed, 0, 2**63 - 1, "in [0, 2**63 - 1]")
-        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens, f"in [0, max_tokens={self.max_tokens}]")
+            _check_range("seed", self.seed, 0, 2**63 - 1, "in [0, 2**63 - 1]", integer=True)
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens, f"in [0, max_tokens={self.max_tokens}]",
+                     integer=True)
         if self.logprobs is not None:
-            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_range("repetition_penalty", self.repetition_penalty, 1e-6, 2.0, "in (0, 2]")
@@ -66,7 +73,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:
