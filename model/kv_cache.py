@@ -76,6 +76,8 @@ class KVCache:
         """Contiguous K/V of sequences: block_tables (B, nb) -> two (B, nb * block_size, H, d)."""
         kc, vc = self.keys[layer], self.values[layer]
         b, nb = block_tables.shape
-        k = kc[block_tables].view(b, nb * self.block_size, *kc.shape[2:])
-        v = vc[block_tables].view(b, nb * self.block_size, *vc.shape[2:])
+        flat = block_tables.reshape(-1)
+        # index_select over 2-D views copies whole blocks as rows, far faster than fancy indexing.
+        k = kc.view(kc.shape[0], -1).index_select(0, flat).view(b, nb * self.block_size, *kc.shape[2:])
+        v = vc.view(vc.shape[0], -1).index_select(0, flat).view(b, nb * self.block_size, *vc.shape[2:])
         return k, v

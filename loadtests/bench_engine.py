@@ -1,0 +1,192 @@
+"""Offline engine throughput against HF transformers and against the machine's own bounds.
+
+Everything in one run, on the same random GPT-2-small-shaped weights (124M parameters):
+- workload: N requests, prompts 32-256 tokens, max_tokens uniform in 16-256, greedy, ignore_eos;
+- baseline: HF `generate()` in static batches of 16 with left padding, each batch running
+  to its longest request (how one serves without an engine);
+- the engine (continuous batching over the paged KV cache);
+- the engine with the KV cache disabled (full recompute every token) on a short run;
+- batch-1 decode tokens/s;
+- roofline: measured matmul GFLOP/s and memory GB/s, and the fraction the engine reaches.
+
+    .venv/bin/python loadtests/bench_engine.py [--requests 64] [--out results/bench_engine.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import LLM, SamplingParams  # noqa: E402
+from model.checkpoint import save_model  # noqa: E402
+from model.config import EngineConfig  # noqa: E402
+from model.loading import build_preset, resolve_device  # noqa: E402
+
+PRESET = "gpt2-small-random"
+
+
+def workload(n: int, seed: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
+    return prompts, [rng.randint(16, 256) for _ in range(n)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e9
+
+
+def memory_gbs(device: torch.device, mib: int = 512, repeats: int = 10) -> float:
+    """Copy bandwidth: bytes read plus bytes written per second."""
+    src = torch.empty(mib << 18, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def run_hf(path: str, prompts: list[list[int]], max_tokens: list[int], batch: int,
+           device: torch.device, dtype: torch.dtype) -> dict:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path, dtype=dtype).to(device).eval()
+    useful, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group, limits = prompts[i:i + batch], max_tokens[i:i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device=device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(limits), min_new_tokens=max(limits),
+                           do_sample=False, pad_token_id=0)
+        useful += sum(limits)
+    sync(device)
+    secs = time.perf_counter() - t0
+    return {"seconds": secs, "output_tokens": useful, "tokens_per_s": useful / secs}
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync(llm.engine.device)
+    secs = time.perf_counter() - t0
+    produced = sum(len(o.token_ids) for o in outs)
+    assert produced == sum(max_tokens), "the engine did not produce every requested token"
+    return {"seconds": secs, "output_tokens": produced, "tokens_per_s": produced / secs}
+
+
+def decode_rate(llm: LLM, batch: int, vocab: int, steps: int = 32) -> float:
+    """Steady-state decode tokens/s with `batch` sequences of 128-token prompts."""
+    engine = llm.engine
+    rng = random.Random(batch)
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", [rng.randrange(vocab) for _ in range(128)],
+                           SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    while any(r.seq.num_computed_tokens < 128 for r in engine._requests.values()):
+        engine.step()  # prefill
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    secs = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    return batch * steps / secs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/bench_engine.json")
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    tmp = tempfile.mkdtemp(prefix="qkv-bench-")
+    save_model(build_preset(PRESET), tmp)
+    llm = LLM(tmp, device=args.device, dtype=args.dtype,
+              engine_config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=3 << 30))
+    cfg = llm.engine.model_config
+    n_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
+    # Bytes a decode step must read: every weight but the position table (rows are gathered).
+    weight_bytes = (n_params - cfg.max_position * cfg.d_model) * torch.empty((), dtype=dtype).element_size()
+    prompts, max_tokens = workload(args.requests, args.seed, cfg.vocab_size)
+    res: dict = {"device": str(device), "dtype": args.dtype, "params": n_params, "requests": args.requests,
+                 "threads": torch.get_num_threads()}
+    res["matmul_gflops"] = matmul_gflops(device, dtype)
+    res["memory_gbs"] = memory_gbs(device)
+    print(f"model {PRESET}: {n_params / 1e6:.1f}M params, {device}, {args.dtype}, {res['threads']} threads")
+    res["engine"] = run_engine(llm, prompts, max_tokens)
+    print(f"engine: {res['engine']['tokens_per_s']:.1f} tok/s")
+    res["hf"] = run_hf(tmp, prompts, max_tokens, args.hf_batch, device, dtype)
+    print(f"hf: {res['hf']['tokens_per_s']:.1f} tok/s")
+    short_p, short_m = prompts[:8], [16] * 8
+    nocache = LLM(tmp, device=args.device, dtype=args.dtype,
+                  engine_config=EngineConfig(enable_kv_cache=False, max_num_batched_tokens=4096, kv_cache_bytes=1 << 30))
+    res["engine_short"] = run_engine(llm, short_p, short_m)
+    res["engine_no_kv_cache_short"] = run_engine(nocache, short_p, short_m)
+    del nocache
+    res["decode_b1_tok_s"] = decode_rate(llm, 1, cfg.vocab_size)
+    res["decode_b64_tok_s"] = decode_rate(llm, 64, cfg.vocab_size, steps=16)
+    flops_per_token = 2 * n_params  # matmul FLOPs per token, attention excluded
+    res["bandwidth_fraction_b1"] = res["decode_b1_tok_s"] * weight_bytes / 1e9 / res["memory_gbs"]
+    res["compute_fraction_b64"] = res["decode_b64_tok_s"] * flops_per_token / 1e9 / res["matmul_gflops"]
+    report(res)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.out}")
+
+
+def report(r: dict) -> None:
+    e, h = r["engine"], r["hf"]
+    rows = [
+        ("HF generate, static batches of 16", f"{h['tokens_per_s']:.1f} tok/s", "1.00x"),
+        ("qkv engine, continuous batching", f"{e['tokens_per_s']:.1f} tok/s", f"{e['tokens_per_s'] / h['tokens_per_s']:.2f}x"),
+        ("engine, short run (8 req x 16 tok)", f"{r['engine_short']['tokens_per_s']:.1f} tok/s", "1.00x"),
+        ("engine, KV cache off, same short run", f"{r['engine_no_kv_cache_short']['tokens_per_s']:.1f} tok/s",
+         f"{r['engine_no_kv_cache_short']['tokens_per_s'] / r['engine_short']['tokens_per_s']:.2f}x"),
+        ("decode, batch 1", f"{r['decode_b1_tok_s']:.1f} tok/s", f"{100 * r['bandwidth_fraction_b1']:.0f}% of bandwidth bound"),
+        ("decode, batch 64", f"{r['decode_b64_tok_s']:.1f} tok/s", f"{100 * r['compute_fraction_b64']:.0f}% of matmul peak"),
+        ("measured matmul peak", f"{r['matmul_gflops']:.1f} GFLOP/s", ""),
+        ("measured copy bandwidth", f"{r['memory_gbs']:.1f} GB/s", ""),
+    ]
+    print(f"\n| {'what':<38} | {'figure':>18} | {'ratio':<26} |")
+    print(f"|{'-' * 40}|{'-' * 20}|{'-' * 28}|")
+    for what, fig, ratio in rows:
+        print(f"| {what:<38} | {fig:>18} | {ratio:<26} |")
+
+
+if __name__ == "__main__":
+    main()
