@@ -114,6 +114,9 @@ class EngineDeployment:
             if pending:
                 logger.info("aborting %d request(s): the caller went away", len(pending))
                 self._loop.abort(sorted(pending))
+                for r in requests:
+                    if r.request_id in pending:
+                        self._metrics.observe_abort(len(r.prompt_token_ids))
 
     def healthy(self) -> bool:
         """False once the step loop has died."""

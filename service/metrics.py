@@ -76,6 +76,11 @@ class EngineMetrics:
         if end is not None:
             self.e2e.observe(max(end - times.arrival, 0.0))
 
+    def observe_abort(self, num_prompt_tokens: int) -> None:
+        """A request whose caller went away: its final output is never read, so count it here."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.success.inc(1, tags={"finished_reason": "abort"})
+
     def refresh(self, stats: object) -> None:
         """Set the gauges from an `EngineStats` snapshot. Called on a timer even when idle:
         Ray drops a gauge from its export when it has not been set for a while."""

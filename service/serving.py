@@ -52,11 +52,18 @@ class _Run:
         """Send the call and wait for its first item, so a rejection (overload, bad input)
         is still a plain HTTP error rather than a broken stream."""
         self._gen = self._handle.generate.remote(self._requests)
-        self._first = self._check(await self._next())
+        self._first = self._check(await self._next_item())
 
     async def _next(self) -> Any:
         try:
             return await self._gen.__anext__()
+        except Exception:  # failed or finished (not cancelled): nothing left to cancel
+            self.done = True
+            raise
+
+    async def _next_item(self) -> Any:
+        try:
+            return await self._next()
         except BackPressureError:
             raise overloaded_error(self._overload.status, self._overload.retry_after_s) from None
         except DeploymentUnavailableError:
@@ -80,17 +87,19 @@ class _Run:
             yield first
         while True:
             try:
-                item = await self._next()
+                item = await self._next_item()
             except StopAsyncIteration:
-                self.done = True
                 return
             yield self._check(item)
 
     def cancel(self) -> None:
         """Abort what is still running (client gone, or an error on our side)."""
         if self._gen is not None and not self.done:
-            self._gen.cancel()
             self.done = True
+            try:
+                self._gen.cancel()
+            except Exception as exc:  # already failed or finished on Serve's side
+                logger.debug("cancel: %s", type(exc).__name__)
 
 
 class OpenAIServing:

@@ -1,0 +1,165 @@
+"""Cancellation, overload and metrics of the running service: a real Ray Serve on loopback with
+Ray's Prometheus endpoint, and a model slow enough that one long request would keep the
+engine busy for about a minute unless it is aborted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from service.local import local_service, write_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+
+HTTP_PORT = 18330
+METRICS_PORT = 18331
+MODEL = "slow"
+MAX_ONGOING, MAX_QUEUED, RETRY_AFTER = 2, 2, 2
+LONG = {"prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}  # ~1 min if not aborted
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "slow", max_position=4096, d_model=512,
+                                 n_heads=8, n_layers=4, d_ff=2048)
+    args = {"model": str(ckpt), "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 1100,
+            "engine_num_cpus": 1, "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED,
+            "retry_after_s": RETRY_AFTER}
+    with local_service(args, HTTP_PORT, num_cpus=2, metrics_port=METRICS_PORT) as url:
+        yield url
+
+
+def _scrape() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Ray's metrics endpoint: (sample name, labels that matter) -> value, summed over replicas."""
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_qkv_") and s.labels.get("model_name") == MODEL:
+                labels = frozenset((k, v) for k, v in s.labels.items() if k in ("finished_reason", "le"))
+                samples[(s.name, labels)] = samples.get((s.name, labels), 0.0) + s.value
+    return samples
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def _wait_for(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll `check` until it holds; bounded, so a regression fails instead of hanging."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.25)
+
+
+def _engine_stats() -> dict[str, Any]:
+    return serve.get_deployment_handle("EngineDeployment", app_name="qkv").engine_stats.remote().result()
+
+
+def _idle() -> bool:
+    stats = _engine_stats()
+    return stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_metrics_after_traffic(base_url: str) -> None:
+    before = _scrape()
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        for _ in range(3):
+            r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+            assert r.status_code == 200
+        with http.stream("POST", "/v1/completions", json={"prompt": "hey", "max_tokens": 8, "ignore_eos": True,
+                                                           "stream": True}) as r:
+            assert r.status_code == 200 and r.read().endswith(b"data: [DONE]\n\n")
+    prompt_tokens, gen_tokens, requests = 3 * 5 + 3, 4 * 8, 4
+
+    def delta(name: str, **labels: str) -> float:
+        return _value(_scrape(), name, **labels) - _value(before, name, **labels)
+
+    _wait_for(lambda: delta("ray_qkv_prompt_tokens_total") >= prompt_tokens, "prompt token counter")
+    after = _scrape()
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert _value(d, "ray_qkv_prompt_tokens_total") == prompt_tokens
+    assert _value(d, "ray_qkv_generation_tokens_total") == gen_tokens
+    assert _value(d, "ray_qkv_request_success_total", finished_reason="length") == requests
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert _value(d, f"ray_qkv_{hist}_seconds_count") == requests, hist
+        assert _value(d, f"ray_qkv_{hist}_seconds_bucket", le="+Inf") == requests, hist
+        assert 0 < _value(d, f"ray_qkv_{hist}_seconds_sum") or hist == "request_queue_time"
+    assert _value(d, "ray_qkv_inter_token_latency_seconds_count") == requests * 7  # gaps between 8 tokens
+    assert _value(d, "ray_qkv_e2e_request_latency_seconds_sum") >= _value(d, "ray_qkv_time_to_first_token_seconds_sum")
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert (f"ray_qkv_{gauge}", frozenset()) in after, gauge
+    assert 0.0 <= _value(after, "ray_qkv_kv_cache_usage_perc") <= 1.0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_request(base_url: str, stream: bool) -> None:
+    aborted_before = _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
+    body = LONG | {"stream": stream}
+    if stream:
+        with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", "/v1/completions",
+                                                                               json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            _wait_for(lambda: _engine_stats()["num_running"] == 1, "the request to run")
+            _wait_for(lambda: _value(_scrape(), "ray_qkv_num_requests_running") == 1, "running gauge = 1")
+            assert _value(_scrape(), "ray_qkv_kv_cache_usage_perc") > 0
+        # leaving the blocks closes the connection mid-stream
+    else:
+        def wait_for_running() -> None:
+            _wait_for(lambda: _engine_stats()["num_running"] == 1, "the request to run")
+            _wait_for(lambda: _value(_scrape(), "ray_qkv_num_requests_running") == 1, "running gauge = 1")
+
+        watcher = threading.Thread(target=wait_for_running)
+        watcher.start()
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while the engine generates
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=8))
+        watcher.join()
+    _wait_for(_idle, "the engine to free the aborted request", timeout_s=15)
+    _wait_for(lambda: _value(_scrape(), "ray_qkv_num_requests_running") == 0
+              and _value(_scrape(), "ray_qkv_kv_cache_usage_perc") == 0.0, "running and KV gauges = 0")
+    _wait_for(lambda: _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
+              == aborted_before + 1, "the abort to be counted")
+
+
+def test_overload_rejects_the_excess_fast(base_url: str) -> None:
+    body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    events: list[tuple[float, str, int, dict[str, Any]]] = []
+    lock = threading.Lock()
+
+    def one(_: int) -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as http, http.stream("POST", "/v1/completions",
+                                                                                json=body) as r:
+            payload = r.read()
+            info = {"retry_after": r.headers.get("retry-after"), "body": payload}
+            with lock:
+                events.append((time.monotonic(), "done", r.status_code, info))
+
+    total = 10
+    with ThreadPoolExecutor(total) as pool:
+        list(pool.map(one, range(total)))
+    admitted = [e for e in events if e[2] == 200]
+    rejected = [e for e in events if e[2] != 200]
+    assert len(admitted) + len(rejected) == total
+    assert 2 <= len(admitted) <= MAX_ONGOING + MAX_QUEUED
+    assert len(rejected) >= total - MAX_ONGOING - MAX_QUEUED
+    for _, _, status, info in rejected:
+        assert status == 503
+        assert info["retry_after"] == str(RETRY_AFTER)
+        error = httpx.Response(503, content=info["body"]).json()["error"]
+        assert error["type"] == "overloaded_error" and "overloaded" in error["message"]
+    for _, _, _, info in admitted:
+        assert info["body"].endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' in info["body"]
+    # fast: every rejection came back before any admitted request had finished
+    assert max(t for t, *_ in rejected) < min(t for t, *_ in admitted)
+    assert httpx.get(f"{base_url}/health").status_code == 200
