@@ -1,0 +1,158 @@
+"""The engine step loop on its thread, without Ray: outputs reach asyncio, aborts free blocks,
+a failing step fails every request in flight and marks the loop dead (and /health says so)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from model.config import EngineConfig
+from model.engine import Engine
+from model.sampling_params import SamplingParams
+from service.api import IngressSettings, build_api
+from service.engine_loop import EngineFailure, EngineLoop, SubRequest
+from service.local import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_position=2048)
+    return Engine(str(ckpt), EngineConfig(max_num_seqs=4, num_kv_blocks=256))
+
+
+async def _collect(sink: Any, ids: set[str]) -> tuple[dict[str, list[Any]], EngineFailure | None]:
+    outs: dict[str, list[Any]] = {i: [] for i in ids}
+    while any(not o or not o[-1].finished for o in outs.values()):
+        for item in await asyncio.wait_for(sink.get_all(), 60):
+            if isinstance(item, EngineFailure):
+                return outs, item
+            for out in item:
+                outs[out.request_id].append(out)
+    return outs, None
+
+
+def test_outputs_reach_asyncio_in_order(engine: Engine) -> None:
+    async def run() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            sink = loop.submit([SubRequest("a", [1, 2, 3], params), SubRequest("b", [4, 5], params)])
+            outs, failure = await _collect(sink, {"a", "b"})
+            assert failure is None
+            for deltas in outs.values():
+                assert sum(len(d.new_token_ids) for d in deltas) == 12
+                assert deltas[-1].finish_reason == "length"
+        finally:
+            loop.stop()
+
+    asyncio.run(run())
+
+
+def test_abort_frees_blocks_within_a_step(engine: Engine) -> None:
+    async def run() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            long = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+            sink = loop.submit([SubRequest("long", [1, 2, 3], long)])
+            first = await asyncio.wait_for(sink.get_all(), 60)
+            assert first[0][0].request_id == "long" and not first[0][-1].finished
+            loop.abort(["long"])
+            outs, _ = await _collect(sink, {"long"})
+            assert outs["long"][-1].finish_reason == "abort"
+            assert sum(len(d.new_token_ids) for d in outs["long"]) < 2000
+            await asyncio.sleep(0.1)  # let the loop take its idle stats snapshot
+            assert loop.stats.num_running == 0 and loop.stats.kv_cache_usage == 0.0
+        finally:
+            loop.stop()
+
+    asyncio.run(run())
+
+
+def test_bad_input_reaching_the_engine_is_a_400(engine: Engine) -> None:
+    async def run() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            sink = loop.submit([SubRequest("x", [], SamplingParams(max_tokens=2))])
+            (failure,) = await asyncio.wait_for(sink.get_all(), 10)
+            assert failure.status == 400 and "prompt" in failure.message
+            assert loop.alive
+        finally:
+            loop.stop()
+
+    asyncio.run(run())
+
+
+class _FailingEngine:
+    """Steps fine twice, then raises, like a CUDA error mid-generation."""
+
+    def __init__(self) -> None:
+        self.requests: set[str] = set()
+        self.steps = 0
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.requests.add(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[Any]:
+        self.steps += 1
+        if self.steps > 2:
+            raise RuntimeError("device lost")
+        return []
+
+    def stats(self) -> Any:
+        return None
+
+
+def test_a_failing_step_fails_every_request_and_kills_the_loop() -> None:
+    async def run() -> None:
+        loop = EngineLoop(_FailingEngine())
+        loop.start()
+        params = SamplingParams(max_tokens=5)
+        sinks = [loop.submit([SubRequest(f"r{i}", [1], params)]) for i in range(3)]
+        for sink in sinks:
+            (failure,) = await asyncio.wait_for(sink.get_all(), 10)
+            assert failure.status == 500 and "device lost" in failure.message
+        assert not loop.alive and "device lost" in loop.error
+        (late,) = await asyncio.wait_for(loop.submit([SubRequest("late", [1], params)]).get_all(), 10)
+        assert late.status == 503
+
+    asyncio.run(run())
+
+
+class _Remote:
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    async def _get(self) -> Any:
+        if isinstance(self._value, Exception):
+            raise self._value
+        return self._value
+
+    def remote(self) -> Any:
+        return self._get()
+
+
+class _EngineHandle:
+    def __init__(self, healthy: Any) -> None:
+        self.healthy = _Remote(healthy)
+
+
+@pytest.mark.parametrize(("healthy", "status"), [(True, 200), (False, 503), (RuntimeError("gone"), 503)])
+def test_health_reports_a_dead_engine(healthy: Any, status: int) -> None:
+    app = build_api(serving=None, engine=_EngineHandle(healthy), settings=IngressSettings(api_key="k"))
+    r = TestClient(app).get("/health")  # open without the key
+    assert r.status_code == status
+    if status == 503:
+        assert r.json()["error"]["type"] == "server_error"
