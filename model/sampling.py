@@ -46,10 +46,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     """Mask out tokens outside each row's top-k and nucleus top-p. logits (B, V) already tempered."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
     ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    drop = ranks >= top_k[:, None]
+    # top-p applies to what top-k left, renormalised (as vLLM and HF transformers do).
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep a token while the mass before it is < top_p (the top token always stays).
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    # Keep a token while the mass before it is < top_p (the top token always stays). Rows with
+    # top_p = 1 skip this: float32 cumsums reach 1.0 early and would cut a long tail.
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
