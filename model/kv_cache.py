@@ -60,6 +60,9 @@ class KVCache:
         self.block_size = block_size
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # Reused gather destinations (rows = blocks): a fresh multi-MB tensor per layer and step
+        # costs a page fault per 4 KiB on the CPU, more than the copy itself.
+        self._work = (torch.empty(0, block_size * n_heads * d_head, dtype=dtype, device=device),) * 2
 
     @staticmethod
     def bytes_per_block(n_layers: int, block_size: int, n_heads: int, d_head: int, dtype: torch.dtype) -> int:
@@ -73,11 +76,18 @@ class KVCache:
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous K/V of sequences: block_tables (B, nb) -> two (B, nb * block_size, H, d)."""
+        """Contiguous K/V of sequences: block_tables (B, nb) -> two (B, nb * block_size, H, d).
+
+        The results are views of a workspace that the next `gather` overwrites."""
         kc, vc = self.keys[layer], self.values[layer]
         b, nb = block_tables.shape
         flat = block_tables.reshape(-1)
+        if self._work[0].shape[0] < flat.numel():
+            rows = max(flat.numel(), 2 * self._work[0].shape[0])
+            self._work = tuple(torch.empty(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in self._work)
+        wk, wv = (w[: flat.numel()] for w in self._work)
         # index_select over 2-D views copies whole blocks as rows, far faster than fancy indexing.
-        k = kc.view(kc.shape[0], -1).index_select(0, flat).view(b, nb * self.block_size, *kc.shape[2:])
-        v = vc.view(vc.shape[0], -1).index_select(0, flat).view(b, nb * self.block_size, *vc.shape[2:])
-        return k, v
+        torch.index_select(kc.view(kc.shape[0], -1), 0, flat, out=wk)
+        torch.index_select(vc.view(vc.shape[0], -1), 0, flat, out=wv)
+        shape = (b, nb * self.block_size, *kc.shape[2:])
+        return wk.view(shape), wv.view(shape)

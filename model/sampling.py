@@ -80,7 +80,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     tokens: dict[int, int] = {}
     if greedy:
-        tokens.update(zip(greedy, logits[greedy].argmax(dim=-1).tolist()))
+        # argmax over every row reads the logits once; gathering the greedy rows first would copy them.
+        best = logits.argmax(dim=-1).tolist()
+        tokens.update((i, best[i]) for i in greedy)
     if random_rows:
         tokens.update(_sample_random(logits, rows, random_rows))
     token_list = [tokens[i] for i in range(len(rows))]
