@@ -2,6 +2,7 @@
 recipe of the README (`serve deploy` of a config to the head's dashboard), one engine replica
 pinned to each node by a custom resource, known traffic, then each node's own metrics endpoint
 scraped: both replicas served requests, and the two nodes' counters add up to the traffic.
+Also: the KubeRay RayService carries a Serve config that Serve and the builder accept.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from serve_fixtures import metric_sum, scrape, send_concurrently, wait_until, write_tiny_model
-
-pytestmark = pytest.mark.slow
+from serve_fixtures import REPO, metric_sum, scrape, send_concurrently, wait_until, write_tiny_model
 
 HTTP_PORT, DASHBOARD_PORT = 18540, 18541
 SLOT = "qkv_engine_slot"  # one per node: at most one engine replica fits on a node
@@ -90,6 +89,7 @@ def _node_metrics_urls() -> list[str]:
     return [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in nodes]
 
 
+@pytest.mark.slow
 def test_both_replicas_serve_and_the_nodes_metrics_add_up_to_the_traffic(cluster: str) -> None:
     results = send_concurrently(cluster, REQUESTS, MAX_TOKENS, stream=True)
     prompt_tokens = sum(r.prompt_tokens for r in results)
@@ -108,3 +108,25 @@ def test_both_replicas_serve_and_the_nodes_metrics_add_up_to_the_traffic(cluster
     assert sum(metric_sum(s, "ray_qkv_generation_tokens_total") for s in per_node) == REQUESTS * MAX_TOKENS
     assert sum(metric_sum(s, "ray_qkv_prompt_tokens_total") for s in per_node) == prompt_tokens
     assert sum(metric_sum(s, "ray_qkv_time_to_first_token_seconds_count") for s in per_node) == REQUESTS
+
+
+def test_rayservice_carries_a_valid_serve_config_and_gpu_workers() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.app import AppArgs
+
+    doc = yaml.safe_load((REPO / "deploy" / "rayservice.yaml").read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayService")
+    config = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+    (app,) = config.applications
+    assert app.import_path == "service.app:build_app"
+    args = AppArgs.model_validate(app.args)
+    assert args.accelerator == "auto" and args.autoscaling_config is not None
+    cluster = doc["spec"]["rayClusterConfig"]
+    (workers,) = cluster["workerGroupSpecs"]
+    (container,) = workers["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for group in (cluster["headGroupSpec"], workers):
+        port = group["rayStartParams"]["metrics-export-port"]
+        ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+        assert ports["metrics"] == int(port)
