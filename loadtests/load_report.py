@@ -3,7 +3,8 @@
     python loadtests/load_report.py --host http://127.0.0.1:8000 --users 1,4,16,32 \
         --duration 60s --out reports/run1 --slo-ttft-ms 1000 --slo-itl-ms 200
 
-For each level N it runs headless Locust with N users (loadtests/locustfile.py) and writes
+For each level N it runs headless Locust with N users (loadtests/locustfile.py) for --duration,
+lets the requests in flight finish (--drain-timeout), and writes
 `OUT/users_N/` with Locust's CSV files (`locust_stats.csv`, ...), its HTML report
 (`locust.html`) and the per-request records (`requests.jsonl`). Across levels it writes
 `OUT/summary.json` and `OUT/load_report.png`, and prints a Markdown table. Arguments after
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -49,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-error-rate", type=float, default=0.0, help="fail above this failed fraction")
     p.add_argument("--max-slo-miss-rate", type=float, default=1.0,
                    help="fail above this fraction of successful requests missing an SLO")
+    p.add_argument("--drain-timeout", type=int, default=120,
+                   help="seconds a user may take to finish its request in flight when the time is up; "
+                        "their tokens count, so long requests at high concurrency are not dropped")
     p.add_argument("--pause", type=float, default=2.0, help="seconds between levels (server drains)")
     p.add_argument("--title", default="", help="plot title (default: host and date)")
     p.add_argument("--from-records", action="store_true",
@@ -74,6 +79,7 @@ def run_level(args: argparse.Namespace, users: int, level_dir: Path) -> int:
         "-u", str(users), "-r", str(users), "-t", args.duration, "-H", args.host,
         "--csv", str(level_dir / "locust"), "--csv-full-history", "--html", str(level_dir / "locust.html"),
         "--records-file", str(records), "--only-summary", "--loglevel", "WARNING",
+        "--stop-timeout", str(args.drain_timeout),
     ]
     if args.model:
         cmd += ["--model", args.model]
@@ -103,12 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms)
     levels: list[LevelSummary] = []
+    # The load generator shares the machine with whatever else runs: keep the load average
+    # around each level in the report, so a noisy neighbour is visible.
+    loadavg: dict[int, list[float]] = {}
     for i, users in enumerate(args.levels):
         level_dir = args.out / f"users_{users}"
         if not args.from_records:
             if i:
                 time.sleep(args.pause)
+            before = os.getloadavg()[0]
             rc = run_level(args, users, level_dir)
+            loadavg[users] = [round(before, 2), round(os.getloadavg()[0], 2)]
             if rc not in (0, 1):  # 1 only means some request failed, which the summary counts
                 print(f"locust exited with {rc} at {users} users; see {level_dir / 'locust.log'}")
                 return 2
@@ -117,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no request was recorded at {users} users; see {level_dir / 'locust.log'}")
             return 2
         levels.append(summarize(users, records, slo))
-    meta = {"host": args.host, "duration": args.duration, "model": args.model or None,
-            "slo": vars(slo), "locust_args": args.locust_args, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta = {"host": args.host, "duration": args.duration, "drain_timeout_s": args.drain_timeout, "model": args.model or None,
+            "slo": vars(slo), "locust_args": args.locust_args,
+            "cpus": os.cpu_count(), "loadavg_1m_before_after": loadavg, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_summary(args.out / "summary.json", levels, meta)
     plot(args.out / "load_report.png", levels, args.title or f"{args.host}  {meta['created']}")
     print(markdown_table(levels))
