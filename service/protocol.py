@@ -78,9 +78,11 @@ class _SamplingFields(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def requested_max_tokens(self) -> int | None:
+        """The completion length the client asked for, if any."""
         return self.max_tokens
 
     def logprobs_count(self) -> int | None:
+        """Top-N logprobs per generated token (None: no logprobs)."""
         return None
 
     def to_sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
