@@ -1,0 +1,39 @@
+"""The application builder's arguments, without starting Ray: validation, defaults, CPU/GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+from service.app import AppArgs, build_app, use_gpu
+
+
+def test_command_line_strings_are_converted() -> None:
+    args = AppArgs.model_validate({"model": "/ckpts/my-model/", "max_num_seqs": "8", "accelerator": "cpu"})
+    assert args.max_num_seqs == 8
+    assert args.resolved_name() == "my-model"
+    assert AppArgs().resolved_name() == "transformer-base"
+    assert AppArgs(served_model_name="x").resolved_name() == "x"
+
+
+def test_serve_never_caps_the_batch_by_default() -> None:
+    # Serve's own default of 5 ongoing requests would silently cap a 64-sequence batch.
+    assert AppArgs(max_num_seqs=64).resolved_max_ongoing() == 80
+    assert AppArgs(max_num_seqs=4).resolved_max_ongoing() == 8
+    assert AppArgs(max_num_seqs=64, max_ongoing_requests=70).resolved_max_ongoing() == 70
+
+
+@pytest.mark.parametrize("bad", [{"max_num_seq": 8}, {"accelerator": "tpu"}, {"block_size": 0},
+                                 {"overload_status": 500}, {"num_replicas": 0}])
+def test_bad_arguments_fail_at_build_time(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        call_user_app_builder_with_args_if_necessary(build_app, bad)
+
+
+def test_accelerator_choice() -> None:
+    assert use_gpu("gpu") is True
+    assert use_gpu("cpu") is False
+    # No Ray cluster attached: auto falls back to what torch sees on this machine.
+    assert use_gpu("auto") is torch.cuda.is_available()
