@@ -1,8 +1,9 @@
 """The HTTP ingress: FastAPI routes of the OpenAI-compatible API on a Ray Serve deployment.
 
-Bodies are read here (with a size cap, 413 past it) and validated by the Pydantic models in
-`protocol.py`; every failure leaves as the OpenAI error shape, never FastAPI's 422 body and
-never a stack trace. An optional API key guards every route except `/health`.
+Bodies are read here (with a size cap, 413 past it; headers too, 431 past theirs) and validated
+by the Pydantic models in `protocol.py`; every failure leaves as the OpenAI error shape, never
+FastAPI's 422 body and never a stack trace. An optional API key guards every route except
+`/health`; an optional deadline aborts requests that run too long (504).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class IngressSettings:
 
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    max_header_bytes: int = 32 * 1024  # request line target plus every header name and value
     overload_status: int = 503
     retry_after_s: float = 1.0
+    request_timeout_s: float | None = None  # whole-request deadline; None: none
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -68,6 +71,25 @@ class ApiKeyMiddleware:
         err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
                        "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await error_response(err)(scope, receive, send)
+
+
+class HeaderLimitMiddleware:
+    """431 when the path and headers together exceed `max_bytes`: Serve's proxy accepts any size."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self._max = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            size += sum(len(name) + len(value) + 4 for name, value in scope["headers"])  # ": " and CRLF
+            if size > self._max:
+                err = APIError(f"The request headers exceed the limit of {self._max} bytes.", 431,
+                               code="request_header_fields_too_large")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def read_model(request: Request, model: type[_Model], max_bytes: int) -> _Model:
@@ -166,6 +188,7 @@ def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) ->
 
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes)  # outermost: first
     return app
 
 
@@ -181,7 +204,7 @@ class OpenAIIngress:
         self._engine = engine
         info = await engine.model_info.remote()
         overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s)
-        self._serving = OpenAIServing(info, engine, overload)
+        self._serving = OpenAIServing(info, engine, overload, self._settings.request_timeout_s)
         logger.info("ingress ready for model %s (max_model_len %d)", info.served_model_name, info.max_model_len)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

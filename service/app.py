@@ -54,11 +54,15 @@ class AppArgs(BaseModel):
     # HTTP edge
     api_key: str | None = None  # default: the QKV_API_KEY environment variable
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_header_bytes: int = Field(32 * 1024, ge=1024)  # path + headers; 431 past it
+    request_timeout_s: float | None = Field(None, gt=0)  # whole-request deadline: aborted with a 504
     ingress_replicas: int = Field(1, ge=1)
     # resources
     engine_num_cpus: float = Field(1.0, gt=0)
     ingress_num_cpus: float = Field(0.25, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # default: the engine's whole CPUs (at least 1)
+    # TEST-ONLY, never in production: a prompt containing this text makes the engine step raise
+    debug_step_fault_marker: str | None = None
 
     def engine_config(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -110,10 +114,13 @@ def build_app(args: AppArgs) -> serve.Application:
         dtype=args.dtype,
         seed=args.seed,
         torch_threads=args.torch_threads or (None if gpu else max(1, int(args.engine_num_cpus))),
+        debug_step_fault_marker=args.debug_step_fault_marker,
     )
     settings = IngressSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        request_timeout_s=args.request_timeout_s,
         overload_status=args.overload_status,
         retry_after_s=args.retry_after_s,
     )

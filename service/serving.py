@@ -42,8 +42,12 @@ class OverloadPolicy:
 class _Run:
     """The engine call of one HTTP request: started, read batch by batch, cancelled."""
 
-    def __init__(self, handle: Any, requests: list[SubRequest], overload: OverloadPolicy) -> None:
+    def __init__(self, handle: Any, requests: list[SubRequest], overload: OverloadPolicy,
+                 timeout_s: float | None = None) -> None:
         self._handle, self._requests, self._overload = handle, requests, overload
+        self._timeout_s = timeout_s
+        # Event-loop time by which the whole request must be done (queueing included).
+        self._deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         self._gen: Any = None
         self._first: list[RequestOutput] | None = None
         self.done = False
@@ -56,7 +60,13 @@ class _Run:
 
     async def _next(self) -> Any:
         try:
-            return await self._gen.__anext__()
+            if self._deadline is None:
+                return await self._gen.__anext__()
+            remaining = max(self._deadline - asyncio.get_running_loop().time(), 0.0)
+            return await asyncio.wait_for(self._gen.__anext__(), remaining)
+        except TimeoutError:  # still running in the engine: `cancel()` aborts it and frees its blocks
+            raise APIError(f"The request did not finish within the server's limit of {self._timeout_s:g} s "
+                           "and was aborted.", 504, "timeout_error", code="request_timeout") from None
         except Exception:  # failed or finished (not cancelled): nothing left to cancel
             self.done = True
             raise
@@ -69,7 +79,11 @@ class _Run:
         except DeploymentUnavailableError:
             raise APIError("The engine deployment is unavailable; retry later.", 503, "server_error",
                            headers={"Retry-After": "5"}) from None
-        except (RayActorError, RayTaskError) as exc:
+        except RayActorError as exc:  # the replica died (killed, node lost): Serve starts another
+            logger.warning("engine replica lost: %s", type(exc).__name__)
+            raise APIError("The engine replica serving this request died; retry it.", 503, "server_error",
+                           code="replica_failed", headers={"Retry-After": "5"}) from None
+        except RayTaskError as exc:
             logger.warning("engine call failed: %s", type(exc).__name__)
             raise APIError("The engine replica failed while serving this request.", 500, "server_error") from None
 
@@ -105,11 +119,13 @@ class _Run:
 class OpenAIServing:
     """Completions and chat completions over one engine deployment."""
 
-    def __init__(self, info: ModelInfo, engine_handle: Any, overload: OverloadPolicy) -> None:
+    def __init__(self, info: ModelInfo, engine_handle: Any, overload: OverloadPolicy,
+                 request_timeout_s: float | None = None) -> None:
         self.info = info
         self.tokenizer = info.tokenizer
         self._handle = engine_handle.options(stream=True)
         self._overload = overload
+        self._timeout_s = request_timeout_s  # None: no deadline
         eos = info.tokenizer.decode([info.eos_token_id]) if info.eos_token_id is not None else ""
         self.chat_template = ChatTemplate(getattr(info.tokenizer, "chat_template", None), eos_token=eos)
 
@@ -194,7 +210,7 @@ class OpenAIServing:
         index_of = {s.request_id: k for k, s in enumerate(subs)}
         choices = [ChoiceState(k, k // req.n) for k in range(len(subs))]
         num_prompt_tokens = sum(len(p) for p in prompts)
-        run = _Run(self._handle, subs, self._overload)
+        run = _Run(self._handle, subs, self._overload, self._timeout_s)
         try:
             await run.start()
         except BaseException:

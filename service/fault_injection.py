@@ -1,0 +1,43 @@
+"""Test-only fault injection: an engine whose step raises while a marked request is in flight.
+
+Off unless the application is built with `debug_step_fault_marker` (never set it in
+production: anyone who can send a prompt could then kill the replica). It lets end-to-end tests
+exercise what a real step failure (a CUDA error, a bug) does to the service: every request in
+the batch gets an error, `/health` turns 503, Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from model.sampling_params import SamplingParams
+from model.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StepFaultInjector:
+    """Wraps an `Engine`: once a request whose prompt text contains `marker` is added, the
+    next `step()` raises. Everything else is passed through to the engine."""
+
+    def __init__(self, engine: Any, marker: str) -> None:
+        if not marker:
+            raise ValueError("the fault marker must not be empty")
+        self._engine = engine
+        self._marker = marker
+        self._marked: set[str] = set()
+        logger.warning("TEST-ONLY fault injection is on: a prompt containing %r makes the engine step raise", marker)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._engine.add_request(request_id, prompt_token_ids, params)
+        if self._marker in self._engine.tokenizer.decode(prompt_token_ids):
+            self._marked.add(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        if self._marked:
+            raise RuntimeError(f"injected fault: request {sorted(self._marked)[0]} carries the fault marker")
+        return self._engine.step()
+
+    def __getattr__(self, name: str) -> Any:  # runtime, stats, abort_request, has_unfinished, ...
+        return getattr(self._engine, name)
