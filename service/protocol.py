@@ -19,6 +19,7 @@ MAX_STOP = 8  # stop strings
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_CHARS = 256  # length of one stop string
 MAX_MESSAGES = 512
+MAX_TOP_K = 2**31 - 1  # torch's top-k overflowed past int64 and killed the engine step
 
 Prompt = Union[str, list[int]]
 
@@ -50,7 +51,7 @@ class _SamplingFields(_Request):
     frequency_penalty: _Penalty = 0.0
     user: Annotated[str, Field(max_length=256)] | None = None
     # vLLM extensions
-    top_k: Annotated[int, Field(ge=-1)] = -1
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] = -1
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
