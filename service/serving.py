@@ -165,6 +165,12 @@ class OpenAIServing:
         if len(prompts) * req.n > MAX_CHOICES_TOTAL:
             raise APIError(f"n x number of prompts may be at most {MAX_CHOICES_TOTAL}, got "
                            f"{req.n} x {len(prompts)}", param="n")
+        # An id past the vocabulary would index outside the logits inside the step (min_tokens
+        # suppresses stop ids there) and fail the whole batch, so it stops here.
+        bad = next((t for t in req.stop_token_ids or [] if t >= self.info.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"stop_token_ids contains {bad}, outside the vocabulary: allowed 0.."
+                           f"{self.info.vocab_size - 1}", param="stop_token_ids")
         subs = []
         requested = req.requested_max_tokens()
         for i, ids in enumerate(prompts):

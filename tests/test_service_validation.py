@@ -72,6 +72,8 @@ CASES = [
     ("/v1/completions", _cmpl(min_tokens=5, max_tokens=2), 400, "min_tokens", "max_tokens=2"),
     ("/v1/completions", _cmpl(stop_token_ids=[-1]), 400, "stop_token_ids[0]", ">= 0"),
     ("/v1/completions", _cmpl(stop_token_ids="x"), 400, "stop_token_ids", "array"),
+    ("/v1/completions", _cmpl(stop_token_ids=[258], min_tokens=2), 400, "stop_token_ids", "0..257"),
+    ("/v1/completions", _cmpl(stop_token_ids=[2**70]), 400, "stop_token_ids", "vocabulary"),
     ("/v1/completions", _cmpl(ignore_eos="no"), 400, "ignore_eos", "boolean"),
     ("/v1/completions", _cmpl(user="u" * 300), 400, "user", "256"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
