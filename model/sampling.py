@@ -92,7 +92,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> dict[int, int]:
     sub = logits[idx] / torch.tensor([rows[i].params.temperature for i in idx])[:, None]
     vocab = sub.shape[1]
-    top_k = torch.tensor([rows[i].params.top_k if rows[i].params.top_k > 0 else vocab for i in idx])
+    # A top_k beyond the vocabulary keeps everything (and must not overflow int64).
+    top_k = torch.tensor([min(rows[i].params.top_k, vocab) if rows[i].params.top_k > 0 else vocab for i in idx])
     top_p = torch.tensor([rows[i].params.top_p for i in idx], dtype=sub.dtype)
     if bool((top_k < vocab).any() or (top_p < 1.0).any()):
         sub = _top_k_top_p(sub, top_k, top_p)

@@ -270,3 +270,11 @@ def test_frequency_penalty_breaks_greedy_repetition(tiny: LLM) -> None:
     (penalised,) = tiny.generate("Hello, world", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
                                                                 frequency_penalty=2.0))
     assert max(penalised.token_ids.count(t) for t in penalised.token_ids) <= 3
+
+
+def test_a_huge_top_k_keeps_every_token_and_does_not_overflow() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    row = SamplingRow(SamplingParams(temperature=1.0, top_k=2**70, seed=3), [1], [],
+                      torch.Generator().manual_seed(3), [])
+    seen = {sample(logits, [row])[0][0] for _ in range(200)}
+    assert seen == {0, 1, 2}
