@@ -24,6 +24,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    num_chars: int = 0  # len(text), kept so streaming never re-joins the parts
 
     @property
     def text(self) -> str:
@@ -31,6 +32,7 @@ class ChoiceState:
 
     def add(self, out: RequestOutput) -> None:
         self.text_parts.append(out.new_text)
+        self.num_chars += len(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs or [])
         self.num_output_tokens = out.num_output_tokens

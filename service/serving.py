@@ -263,7 +263,7 @@ class OpenAIServing:
     @staticmethod
     def _delta_chunk(fmt: CompletionFormat | ChatFormat, choice: ChoiceState, outs: list[RequestOutput],
                      prefix_len: int) -> dict[str, Any]:
-        offset = prefix_len + len(choice.text)
+        offset = prefix_len + choice.num_chars
         lps_before = len(choice.logprobs)
         for out in outs:
             choice.add(out)
