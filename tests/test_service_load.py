@@ -133,19 +133,23 @@ def test_client_disconnect_aborts_the_request(base_url: str, stream: bool) -> No
 
 
 def test_overload_rejects_the_excess_fast(base_url: str) -> None:
-    body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    # Long enough (~10 s each here) that all requests arrive while the first ones still run.
+    body = {"prompt": "abc", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     events: list[tuple[float, str, int, dict[str, Any]]] = []
     lock = threading.Lock()
+    total = 10
+    start = threading.Barrier(total)
 
     def one(_: int) -> None:
-        with httpx.Client(base_url=base_url, timeout=120) as http, http.stream("POST", "/v1/completions",
-                                                                                json=body) as r:
-            payload = r.read()
-            info = {"retry_after": r.headers.get("retry-after"), "body": payload}
-            with lock:
-                events.append((time.monotonic(), "done", r.status_code, info))
+        with httpx.Client(base_url=base_url, timeout=120) as http:
+            http.get("/health")  # connect first, so the requests themselves leave together
+            start.wait()
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                payload = r.read()
+                info = {"retry_after": r.headers.get("retry-after"), "body": payload}
+        with lock:
+            events.append((time.monotonic(), "done", r.status_code, info))
 
-    total = 10
     with ThreadPoolExecutor(total) as pool:
         list(pool.map(one, range(total)))
     admitted = [e for e in events if e[2] == 200]
