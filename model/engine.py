@@ -114,6 +114,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
         limit = self.runtime.max_model_len
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(
