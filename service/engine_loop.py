@@ -93,7 +93,8 @@ class EngineLoop:
         `EngineFailure` arrive on the returned sink. Call from the event loop that reads it."""
         sink = _Sink(asyncio.get_running_loop())
         if not self.alive:
-            sink.put_threadsafe(EngineFailure(503, f"The engine is not running: {self.error or 'stopped'}"))
+            sink.put_threadsafe(EngineFailure(
+                503, "The engine is not running; the replica will be replaced, retry the request."))
             return sink
         for request in requests:
             self._commands.put(("add", request, sink))
@@ -123,7 +124,7 @@ class EngineLoop:
                 self._dispatch(outputs)
         except Exception as exc:  # the step itself failed: nothing in flight can go on
             logger.exception("engine step loop died")
-            self._fail_all(f"{type(exc).__name__}: {exc}")
+            self._fail_all(exc)
 
     def _apply_commands(self) -> None:
         while True:
@@ -153,9 +154,12 @@ class EngineLoop:
         for sink, outs in by_sink.values():
             sink.put_threadsafe(outs)
 
-    def _fail_all(self, reason: str) -> None:
-        self.error = reason
-        failure = EngineFailure(500, f"The engine failed while generating ({reason}); the replica will be replaced.")
+    def _fail_all(self, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"  # logged and in check_health; never sent to clients
+        # 503: the replica is replaced, so the same request can succeed when retried. The
+        # exception's text may name server paths, so clients get only its type.
+        failure = EngineFailure(503, f"The engine failed while generating ({type(exc).__name__}); "
+                                     "the replica will be replaced, retry the request.")
         sinks = {id(s): s for s in self._sinks.values()}
         while True:  # requests queued but never added fail too
             try:

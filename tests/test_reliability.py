@@ -298,9 +298,9 @@ def test_an_engine_step_exception_errors_the_batch_and_the_replica_is_replaced(h
         marked = http.post("/v1/completions", json={"prompt": f"{FAULT_MARKER} go", "max_tokens": 4})
         status, events = streamed.result()
         r = plain.result()
-    error = _assert_error(marked, 500)
+    error = _assert_error(marked, 503)
     assert "replaced" in error["message"] and error["type"] == "server_error"
-    _assert_error(r, 500)
+    _assert_error(r, 503)
     assert status == 200
     _assert_stream_error(events)
     wait_until(lambda: _health(base_url) == 503, 30, "/health to report the dead engine")
