@@ -11,15 +11,17 @@ PYTEST_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
 
+# `--address local` starts a fresh Ray instance rather than attaching to one already running.
 serve: install
-	$(VENV)/bin/serve run deploy/serve.yaml
+	@echo "qkv-serve on http://127.0.0.1:8000 (Ctrl-C stops it). Try:"
+	@echo "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"The cat\", \"max_tokens\": 16}'"
+	$(VENV)/bin/serve run --address local deploy/serve.yaml
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
