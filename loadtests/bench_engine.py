@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/bench_engine.json")
     args = ap.parse_args()
+    load_at_start = os.getloadavg()[0]
     device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype)
     tmp = tempfile.mkdtemp(prefix="qkv-bench-")
@@ -163,7 +165,9 @@ def main() -> None:
     flops_per_token = 2 * n_params  # matmul FLOPs per token, attention excluded
     res["bandwidth_fraction_b1"] = res["decode_b1_tok_s"] * weight_bytes / 1e9 / res["memory_gbs"]
     res["compute_fraction_b64"] = res["decode_b64_tok_s"] * flops_per_token / 1e9 / res["matmul_gflops"]
+    res["load_average_1m_start_end"] = [load_at_start, os.getloadavg()[0]]  # this machine is shared
     report(res)
+    print(f"1-minute load average at start/end: {load_at_start:.2f} / {os.getloadavg()[0]:.2f} (2 cores)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out}")
