@@ -96,13 +96,12 @@ class Engine:
         """Queue a request. Raises ValueError for an id in use, an empty prompt, a token id
         outside the vocabulary, or a prompt plus max_tokens beyond the context."""
         self._validate(request_id, prompt_token_ids, params)
-        now = time.monotonic()
-        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time or now)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
-                                              RequestTimes(arrival=arrival_time or now))
+                                              RequestTimes(arrival=arrival_time or time.monotonic()))
         self.scheduler.add(seq)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:

@@ -14,7 +14,7 @@ from model.sequence import Sequence, SeqStatus
 
 
 def seq(rid: str, n_prompt: int, max_tokens: int = 8) -> Sequence:
-    return Sequence(rid, list(range(n_prompt)), SamplingParams(max_tokens=max_tokens), 0.0)
+    return Sequence(rid, list(range(n_prompt)), SamplingParams(max_tokens=max_tokens))
 
 
 def run_step(sched: Scheduler) -> list[tuple[str, int]]:
