@@ -113,7 +113,7 @@ class MultiHeadAttention(nn.Module):
         k, v = cache.gather(self.layer, meta.decode_block_tables)  # (B, S, H, d)
         s = meta.decode_max_context
         k, v = k[:, :s].transpose(1, 2), v[:, :s].transpose(1, 2)  # (B, H, S, d)
-        mask = meta.decode_mask(cache.block_size)[..., :s]  # (B, 1, 1, S)
+        mask = meta.decode_mask  # (B, 1, 1, S)
         return self.score.attend(q.unsqueeze(2), k, v, mask=mask).squeeze(2)
 
     def _prefill(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int,

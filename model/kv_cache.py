@@ -7,6 +7,8 @@ A sequence's token at position p lives in block `block_table[p // block_size]`, 
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -38,11 +40,12 @@ class AttnMetadata:
     decode_max_context: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
 
-    def decode_mask(self, block_size: int) -> torch.Tensor:
-        """(B_d, 1, 1, max_blocks * block_size) bool: True where a cached position is valid."""
-        assert self.decode_block_tables is not None and self.decode_context_lens is not None
-        width = self.decode_block_tables.shape[1] * block_size
-        pos = torch.arange(width, device=self.decode_context_lens.device)
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """(B_d, 1, 1, decode_max_context) bool: True where a cached position is valid.
+        Built once per step and shared by every layer."""
+        assert self.decode_context_lens is not None
+        pos = torch.arange(self.decode_max_context, device=self.decode_context_lens.device)
         return (pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
 
 
