@@ -19,7 +19,7 @@ from model.runner import ModelRunner
 from model.sampling import SamplingRow
 from model.sampling_params import SamplingParams
 from model.scheduler import ScheduledSeq, Scheduler
-from model.sequence import RequestOutput, RequestTimes, Sequence, SeqStatus, TokenLogprob
+from model.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
 from model.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,6 @@ class Engine:
     def _final(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],
                token_times: list[float] | None = None) -> RequestOutput:
         req.times.finished = time.monotonic()
-        req.seq.status = SeqStatus.FINISHED
         return self._delta(req, text, toks, lps, token_times or [])
 
 
