@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # local_serve: test scaffolding
 
 from bench_engine import PRESET, workload  # noqa: E402
 
@@ -42,7 +43,7 @@ from model.config import PRESETS, EngineConfig  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.loading import build_preset  # noqa: E402
 from model.sampling_params import SamplingParams  # noqa: E402
-from service.local import local_service  # noqa: E402
+from local_serve import local_service  # noqa: E402
 
 HTTP_PORT = 18400
 

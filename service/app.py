@@ -12,6 +12,7 @@ line are converted). Host and port come from the Serve config (`http_options`).
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,8 +62,6 @@ class AppArgs(BaseModel):
     engine_num_cpus: float = Field(1.0, gt=0)
     ingress_num_cpus: float = Field(0.25, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # default: the engine's whole CPUs (at least 1)
-    # TEST-ONLY, never in production: a prompt containing this text makes the engine step raise
-    debug_step_fault_marker: str | None = None
 
     def engine_config(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -95,6 +94,15 @@ def build_app(args: AppArgs) -> serve.Application:
     """The application: `OpenAIIngress` in front of `EngineDeployment`."""
     if not isinstance(args, AppArgs):  # called directly with a dict
         args = AppArgs.model_validate(args)
+    return compose_app(args)
+
+
+def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = None) -> serve.Application:
+    """`build_app` with an optional `engine_wrapper(engine) -> engine` applied in each replica.
+
+    The wrapper is a Python callable, so no config file or command line can set it: tests use
+    it to inject faults (tests/fault_injection.py).
+    """
     EngineConfig(**args.engine_config())  # fail here, not in a replica, on bad knobs
     gpu = use_gpu(args.accelerator)
     actor_options: dict[str, Any] = {"num_cpus": args.engine_num_cpus, "num_gpus": 1 if gpu else 0}
@@ -114,7 +122,7 @@ def build_app(args: AppArgs) -> serve.Application:
         dtype=args.dtype,
         seed=args.seed,
         torch_threads=args.torch_threads or (None if gpu else max(1, int(args.engine_num_cpus))),
-        debug_step_fault_marker=args.debug_step_fault_marker,
+        engine_wrapper=engine_wrapper,
     )
     settings = IngressSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -53,7 +54,7 @@ class EngineDeployment:
         dtype: str = "auto",
         seed: int = 0,
         torch_threads: int | None = None,
-        debug_step_fault_marker: str | None = None,
+        engine_wrapper: Callable[[Any], Any] | None = None,
     ) -> None:
         from model.engine import Engine  # heavy import; keeps this module importable without it
 
@@ -66,10 +67,8 @@ class EngineDeployment:
         self._engine = await asyncio.to_thread(
             Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed
         )
-        if debug_step_fault_marker:  # test-only, off by default: see service/fault_injection.py
-            from service.fault_injection import StepFaultInjector
-
-            self._engine = StepFaultInjector(self._engine, debug_step_fault_marker)
+        if engine_wrapper is not None:  # tests only (a callable: no config can set it)
+            self._engine = engine_wrapper(self._engine)
         self._served_model_name = served_model_name
         self._metrics = EngineMetrics(served_model_name)
         self._loop = EngineLoop(self._engine)

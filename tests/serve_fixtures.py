@@ -53,7 +53,7 @@ def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str, every
 
 def write_tiny_model(path: Path) -> Path:
     """A tiny random-weight checkpoint (byte tokenizer), fast enough for a 2-core CPU."""
-    from service.local import write_tiny_checkpoint
+    from local_serve import write_tiny_checkpoint
 
     return write_tiny_checkpoint(path, **TINY_MODEL)
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_fixtures import write_tiny_model
-from service.local import local_service
+from local_serve import local_service
 
 pytestmark = pytest.mark.slow
 

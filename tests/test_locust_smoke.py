@@ -76,7 +76,7 @@ def test_summary_counts_errors_and_goodput_under_an_slo() -> None:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from service.local import local_service
+    from local_serve import local_service
 
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     args = {"model": str(model), "max_num_seqs": 8, "engine_num_cpus": 1, "ingress_num_cpus": 0.25}

@@ -1,9 +1,9 @@
 """Faults, deadlines, slow clients and hostile input against a real Ray Serve on loopback.
 
 One application for the module, with an API key, a whole-request deadline, small header and
-body limits and the test-only step-fault marker. Its model is slow enough (about a minute for
-4,000 tokens on a CPU) that a long request is still running when the test acts on it. The
-disruptive tests (a failing engine step, a killed replica) run last.
+body limits and the step-fault injector of tests/fault_injection.py. Its model is slow enough
+(about a minute for 4,000 tokens on a CPU) that a long request is still running when the test
+acts on it. The disruptive tests (a failing engine step, a killed replica) run last.
 
 Bounds the tests state: a request in flight when its replica dies ends within KILL_ERROR_S;
 the service answers again within RECOVERY_S; every client read gives up after CLIENT_TIMEOUT_S.
@@ -24,7 +24,7 @@ import ray
 from ray import serve
 
 from serve_fixtures import REPO, wait_until
-from service.local import local_service, write_tiny_checkpoint
+from local_serve import local_service, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -50,9 +50,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
                                  n_heads=8, n_layers=4, d_ff=2048)
     args = {"model": str(ckpt), "served_model_name": MODEL, "api_key": API_KEY, "max_num_seqs": 8,
             "num_kv_blocks": 600, "engine_num_cpus": 1, "request_timeout_s": REQUEST_TIMEOUT_S,
-            "max_header_bytes": MAX_HEADER_BYTES, "max_body_bytes": MAX_BODY_BYTES,
-            "debug_step_fault_marker": FAULT_MARKER}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+            "max_header_bytes": MAX_HEADER_BYTES, "max_body_bytes": MAX_BODY_BYTES}
+    with local_service(args, HTTP_PORT, num_cpus=2, step_fault_marker=FAULT_MARKER) as url:
         wait_until(lambda: _health(url) == 200, 60, "the service to be healthy")
         yield url, ckpt
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from service.local import local_service, write_tiny_checkpoint
+from local_serve import local_service, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

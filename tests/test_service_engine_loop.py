@@ -15,7 +15,7 @@ from model.engine import Engine
 from model.sampling_params import SamplingParams
 from service.api import IngressSettings, build_api
 from service.engine_loop import EngineFailure, EngineLoop, SubRequest
-from service.local import write_tiny_checkpoint
+from local_serve import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from service.local import local_service, write_tiny_checkpoint
+from local_serve import local_service, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

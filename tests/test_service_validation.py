@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.local import local_service, write_tiny_checkpoint
+from local_serve import local_service, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ import ray
 from ray import serve
 
 from serve_fixtures import wait_until, write_tiny_model
-from service.local import local_service
+from local_serve import local_service
 
 pytestmark = pytest.mark.slow
 

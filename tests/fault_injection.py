@@ -1,9 +1,10 @@
-"""Test-only fault injection: an engine whose step raises while a marked request is in flight.
+"""Fault injection for the end-to-end tests (never shipped: it lives under tests/).
 
-Off unless the application is built with `debug_step_fault_marker` (never set it in
-production: anyone who can send a prompt could then kill the replica). It lets end-to-end tests
-exercise what a real step failure (a CUDA error, a bug) does to the service: every request in
-the batch gets an error, `/health` turns 503, Serve replaces the replica.
+`StepFaultInjector` wraps an `Engine`: once a request whose prompt text contains the marker is
+added, the next `step()` raises. It lets a test exercise what a real step failure (a CUDA error,
+a bug) does to the service: every request in the batch gets an error, `/health` turns 503,
+Serve replaces the replica. `tests/local_serve.py` hands it to the engine replica as an
+`engine_wrapper`, a Python callable that no config file can set.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class StepFaultInjector:
         self._engine = engine
         self._marker = marker
         self._marked: set[str] = set()
-        logger.warning("TEST-ONLY fault injection is on: a prompt containing %r makes the engine step raise", marker)
+        logger.warning("TEST fault injection is on: a prompt containing %r makes the engine step raise", marker)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._engine.add_request(request_id, prompt_token_ids, params)

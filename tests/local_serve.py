@@ -1,11 +1,13 @@
-"""Start the service on this machine (tests, benchmarks, demos) and stop it again.
+"""Start the service on this machine for tests and benchmarks, and stop it again (test
+scaffolding: not part of the installed package; loadtests/ import it from here).
 
 A fresh local Ray instance on loopback, Serve's HTTP proxy on a chosen port, the application
-from `build_app`; everything is shut down on exit, whatever happened.
+from `service.app.compose_app`; everything is shut down on exit, whatever happened.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,28 +17,38 @@ from typing import Any
 import ray
 from ray import serve
 
-from service.app import build_app
+import fault_injection
+from service.app import AppArgs, compose_app
 
 logger = logging.getLogger(__name__)
 
 
 @contextmanager
 def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
-                  metrics_port: int | None = None, metrics_interval_ms: int = 1000) -> Iterator[str]:
-    """Run `build_app(args)` on a new local Ray (never an existing cluster); yields the base URL.
+                  metrics_port: int | None = None, metrics_interval_ms: int = 1000,
+                  step_fault_marker: str | None = None) -> Iterator[str]:
+    """Run the application for `args` on a new local Ray (never an existing cluster); yields
+    the base URL.
 
     With `metrics_port`, Ray's Prometheus endpoint is http://127.0.0.1:<metrics_port>/metrics and
-    metrics are reported every `metrics_interval_ms`.
+    metrics are reported every `metrics_interval_ms` (Ray's private settings: fine in tests).
+    With `step_fault_marker`, a prompt containing it makes the engine step raise
+    (`fault_injection.StepFaultInjector`).
     """
     init: dict[str, Any] = {"address": "local", "num_cpus": num_cpus, "include_dashboard": False,
                             "_node_ip_address": "127.0.0.1", "logging_level": logging.WARNING}
     if metrics_port is not None:
         init["_metrics_export_port"] = metrics_port
         init["_system_config"] = {"metrics_report_interval_ms": metrics_interval_ms}
+    wrapper = None
+    if step_fault_marker:
+        # The replica cannot import tests/: ship the injector's code inside the pickle.
+        ray.cloudpickle.register_pickle_by_value(fault_injection)
+        wrapper = functools.partial(fault_injection.StepFaultInjector, marker=step_fault_marker)
     ray.init(**init)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app(args), name="qkv", route_prefix="/")
+        serve.run(compose_app(AppArgs.model_validate(args), engine_wrapper=wrapper), name="qkv", route_prefix="/")
         yield f"http://127.0.0.1:{http_port}"
     finally:
         try:
