@@ -94,8 +94,12 @@ class MultiHeadAttention(nn.Module):
             AdditiveScore(cfg.n_heads, cfg.d_head) if cfg.attention == "additive" else DotScore()
         )
 
-    def forward(self, x: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
-        """x (T, d_model) -> (T, d_model); writes this step's K/V into `cache` first."""
+    def forward(self, x: torch.Tensor, meta: AttnMetadata | None, cache: KVCache | None) -> torch.Tensor:
+        """x (T, d_model) -> (T, d_model); writes this step's K/V into `cache` first.
+
+        Without a cache (training), x is (B, T, d_model): causal attention within each row."""
+        if cache is None:
+            return self._dense_causal(x)
         t = x.shape[0]
         q, k, v = self.qkv(x).view(t, 3, self.n_heads, self.d_head).unbind(1)  # each (T, H, d)
         cache.update(self.layer, meta.slot_mapping, self.score.project_keys(k), v)
@@ -106,6 +110,15 @@ class MultiHeadAttention(nn.Module):
             sl = slice(chunk.start, chunk.start + chunk.length)
             out[sl] = self._prefill(q[sl], chunk.block_table, chunk.context_len, cache)
         return self.out(out.view(t, -1))
+
+    def _dense_causal(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, d_model) -> (B, T, d_model), every position seeing itself and the past."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.d_head).unbind(2)  # each (B, T, H, d)
+        k = self.score.project_keys(k.reshape(b * t, self.n_heads, self.d_head)).view(b, t, self.n_heads, -1)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, d)
+        out = self.score.attend(q, k, v, causal_offset=0)  # (B, H, T, d)
+        return self.out(out.transpose(1, 2).reshape(b, t, -1))
 
     def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
         """One query per sequence: q (B, H, d) against each sequence's cached past -> (B, H, d)."""

@@ -54,7 +54,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttnMetadata | None, cache: KVCache | None) -> torch.Tensor:
         if self.pre_norm:
             x = x + self.attn(self.ln_1(x), meta, cache)
             return x + self.mlp(self.ln_2(x))
@@ -77,14 +77,20 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.pre_norm else None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                cache: KVCache) -> torch.Tensor:
-        """tokens, positions: (T,) long -> hidden (T, d_model)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata | None,
+                cache: KVCache | None) -> torch.Tensor:
+        """tokens, positions: (T,) long -> hidden (T, d_model); without a cache tokens may be
+        (B, T) with positions (T,) (training)."""
         x = self.wte(tokens) * self.cfg.embed_scale
         x = x + (self.wpe(positions) if self.cfg.learned_positions else self.pe[positions].to(x.dtype))
         for block in self.blocks:
             x = block(x, meta, cache)
         return self.ln_f(x) if self.ln_f is not None else x
+
+    def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab), causal, without a KV cache (training)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.compute_logits(self(tokens, positions, None, None))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab) with the output layer tied to the token embedding."""
