@@ -1,8 +1,21 @@
-"""Accounting of the paged KV pool: which blocks are free, which sequence holds which. No torch."""
+"""Accounting of the paged KV pool: which blocks are free, which sequence holds which, and
+(with prefix caching) which full blocks hold which tokens. No torch.
+
+Prefix caching: a full block is named by a hash chained from its parent block's hash and its
+own token ids (`block_hashes`), seeded with a per-engine salt (the model identity, since the
+K/V of a token depend on the weights and the attention kind). A block enters the cache only
+once its K/V are computed (`commit`), so a block still being written is never shared. Blocks
+are reference-counted; one whose count drops to zero keeps its contents and stays findable
+until the pool needs its memory: plain free blocks are used first, then cached ones are
+evicted least recently used first, and of one sequence the tail of the chain before its head.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from model.sequence import Sequence
 
@@ -12,41 +25,173 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def block_hashes(token_ids: list[int], block_size: int, salt: bytes = b"", start: list[bytes] | None = None,
+                 limit: int | None = None) -> list[bytes]:
+    """Chained hashes of the full blocks of `token_ids`: hash i covers tokens [0, (i+1)*block_size).
+
+    `start` holds hashes already known for the first blocks (they are extended, not recomputed);
+    `limit` caps the number of blocks hashed.
+    """
+    hashes = list(start or [])
+    full = len(token_ids) // block_size
+    if limit is not None:
+        full = min(full, limit)
+    parent = hashes[-1] if hashes else hashlib.sha256(b"qkv-prefix:" + salt).digest()
+    for i in range(len(hashes), full):
+        chunk = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache, and how many were found (vLLM's counting)."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks; a sequence's `block_table` lists the blocks it holds in order."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 salt: bytes = b"") -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt
+        self.stats = PrefixCacheStats()
+        self._free: deque[int] = deque(range(num_blocks))  # count 0, nothing cached in them
+        self._ref = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # hash -> block holding those computed tokens
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # count 0 but cached; oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out: the plain free ones and the evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks whose contents are findable by hash (in use or evictable)."""
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool in use, 0..1."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of the pool held by sequences, 0..1 (evictable cached blocks count as free)."""
+        return 1.0 - self.num_free / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks `seq` needs so that its first `num_tokens` tokens have a slot."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self._free)
+        return self.blocks_needed(seq, num_tokens) <= self.num_free
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Give `seq` slots for its first `num_tokens` tokens; the caller checked `can_grow`."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self._free)} free")
-        seq.block_table.extend(self._free.popleft() for _ in range(need))
+        if need > self.num_free:
+            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free} free")
+        for _ in range(need):
+            block = self._take_free()
+            self._ref[block] = 1
+            seq.block_table.append(block)
+
+    def _take_free(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._evictable.popitem(last=False)  # least recently used
+        self._uncache(block)
+        return block
+
+    def _uncache(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None and self._cached.get(h) == block:
+            del self._cached[h]
+        self._hash_of[block] = None
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of `seq` to the pool."""
-        self._free.extend(seq.block_table)
+        """Drop `seq`'s hold on its blocks; a block nobody holds is free (and, if cached, evictable)."""
+        plain: list[int] = []
+        for block in reversed(seq.block_table):  # tail first: it is evicted before its head
+            if self._ref[block] <= 0:
+                raise RuntimeError(f"block {block} freed twice (sequence {seq.request_id})")
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if self._hash_of[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    plain.append(block)
+        self._free.extend(reversed(plain))
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+
+    # ---- prefix caching ---------------------------------------------------------------
+
+    def hashes(self, seq: Sequence) -> list[bytes]:
+        """The hashes of `seq`'s full blocks (computed once, extended as tokens are added)."""
+        if len(seq.token_ids) // self.block_size > len(seq.block_hashes):
+            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, self.salt, seq.block_hashes)
+        return seq.block_hashes
+
+    def match(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding the longest run of `seq`'s leading full blocks, leaving at
+        least its last token to compute (its logits are needed). Takes nothing."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        limit = (seq.num_tokens - 1) // self.block_size
+        found = []
+        for h in self.hashes(seq)[:limit]:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def first_uncached_hash(self, seq: Sequence, num_matched: int) -> bytes | None:
+        """The hash of the first full block after the matched ones that `seq` would compute."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        hashes = self.hashes(seq)
+        return hashes[num_matched] if num_matched < min(limit, len(hashes)) else None
+
+    def can_admit(self, seq: Sequence, matched: list[int], num_tokens: int) -> bool:
+        """Whether `seq` can take `matched` and get slots for its first `num_tokens` tokens."""
+        reviving = sum(1 for b in matched if self._ref[b] == 0)  # leave the evictable pool
+        need = max(0, blocks_for(num_tokens, self.block_size) - len(matched))
+        return need <= self.num_free - reviving
+
+    def take(self, seq: Sequence, matched: list[int], count: bool = True) -> None:
+        """Share `matched` (cached blocks, from `match`) with `seq`: they become its first blocks
+        and their tokens count as computed. `count` adds the lookup to the hit statistics."""
+        for block in matched:
+            if self._ref[block] == 0:
+                del self._evictable[block]
+            self._ref[block] += 1
+        seq.block_table = list(matched)
+        seq.num_computed_tokens = len(matched) * self.block_size
+        seq.num_committed_blocks = len(matched)
+        if count and self.enable_prefix_caching:
+            self.stats.queries += seq.num_prompt_tokens
+            self.stats.hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+    def commit(self, seq: Sequence) -> None:
+        """Make `seq`'s full blocks whose K/V are now computed findable by hash. A block whose
+        tokens another block already caches stays private (freed plainly later)."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_committed_blocks:
+            return
+        hashes = self.hashes(seq)
+        for i in range(seq.num_committed_blocks, full):
+            block, h = seq.block_table[i], hashes[i]
+            if h not in self._cached and self._hash_of[block] is None:
+                self._cached[h] = block
+                self._hash_of[block] = h
+        seq.num_committed_blocks = full

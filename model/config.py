@@ -104,6 +104,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit override, mostly for tests
     max_model_len: int | None = None  # defaults to the model's max_position
     enable_kv_cache: bool = True  # False recomputes the whole sequence each step (benchmarks only)
+    # Reuse the K/V of full blocks whose tokens (and all before them) an earlier request computed.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -35,6 +35,8 @@ class EngineStats:
     num_preemptions_total: int
     num_free_blocks: int
     num_total_blocks: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 @dataclass
@@ -64,8 +66,12 @@ class Engine:
         cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.n_heads, cfg.d_head,
                         self.dtype, self.device)
         self.runner = ModelRunner(net, cache, self.device)
-        self.scheduler = Scheduler(BlockManager(num_blocks, self.config.block_size), self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens,
+        # One engine hosts one model: its identity (weights seed/architecture, attention kind,
+        # dtype) salts every block hash, since the cached K/V are a function of all of them.
+        salt = f"{model}|{cfg!r}|{self.dtype}".encode()
+        caching = self.config.enable_prefix_caching and self.config.enable_kv_cache
+        blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt)
+        self.scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    recompute_all=not self.config.enable_kv_cache)
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
                                    self.config.block_size, max_len, self.tokenizer.eos_token_id)
@@ -141,7 +147,8 @@ class Engine:
     def stats(self) -> EngineStats:
         bm = self.scheduler.blocks
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
-                           self.scheduler.num_preemptions, bm.num_free, bm.num_blocks)
+                           self.scheduler.num_preemptions, bm.num_free, bm.num_blocks,
+                           bm.stats.queries, bm.stats.hits)
 
     # ---- the step -------------------------------------------------------------------
 
@@ -159,8 +166,7 @@ class Engine:
         sampling = [s for s in sched.scheduled if s.samples]
         rows = [self._row(s.seq) for s in sampling]
         tokens, logprobs = self.runner.run(sched.scheduled, rows)
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+        self.scheduler.computed(sched)
         now = time.monotonic()
         for s, tok, lp in zip(sampling, tokens, logprobs):
             outputs.append(self._append_token(s, tok, lp, now))
@@ -209,7 +215,8 @@ class Engine:
         seq = req.seq
         return RequestOutput(seq.request_id, toks, text, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, len(seq.output_token_ids), req.times, token_times,
-                             lps if seq.params.logprobs is not None else None)
+                             lps if seq.params.logprobs is not None else None,
+                             num_cached_tokens=seq.num_cached_tokens)
 
     def _final(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],
                token_times: list[float] | None = None) -> RequestOutput:

@@ -4,6 +4,8 @@ Each step: every running sequence gets its next tokens (one for a decoding seque
 chunk for one still prefilling) under a token budget; then waiting sequences are admitted
 while budget, sequence slots and KV blocks last. When blocks run out, the newest running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+With prefix caching a sequence is admitted with the longest run of cached full blocks that
+matches its tokens and computes only the rest (see block_manager.py).
 """
 
 from __future__ import annotations
@@ -96,17 +98,45 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_grow(seq, n):
+        writing: set[bytes] | None = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            matched = self.blocks.match(seq)
+            if self.blocks.enable_prefix_caching:
+                writing = self._being_written() if writing is None else writing
+                if self.blocks.first_uncached_hash(seq, len(matched)) in writing:
+                    # Another sequence (an n > 1 sibling, say) is computing this prefix right
+                    # now: wait and share its blocks rather than compute them a second time.
+                    i += 1
+                    continue
+            computed = len(matched) * self.blocks.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not self.blocks.can_admit(seq, matched, computed + n):
                 break  # first come, first served: do not let later requests jump ahead
-            self.waiting.popleft()
-            self.blocks.grow(seq, n)
+            del self.waiting[i]
+            first = seq.num_preemptions == 0
+            self.blocks.take(seq, matched, count=first)
+            if first:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.blocks.grow(seq, computed + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if writing is not None:
+                writing.update(self.blocks.hashes(seq)[len(matched):])
+
+    def _being_written(self) -> set[bytes]:
+        """Hashes of the full blocks that running sequences hold but have not computed yet."""
+        return {h for seq in self.running for h in self.blocks.hashes(seq)[seq.num_committed_blocks:]}
+
+    def computed(self, out: SchedulerOutput) -> None:
+        """After the forward pass: the scheduled tokens are in the cache; their full blocks
+        become shareable."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.blocks.commit(s.seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the scheduler (finished or aborted) and free its blocks."""

@@ -49,6 +49,7 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)  # when each of new_token_ids was sampled
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
 
 
 @dataclass
@@ -64,6 +65,12 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     finish_reason: str | None = None
+    # Prefix caching (block_manager.py): hashes of the full blocks of token_ids, how many of
+    # block_table's leading blocks are committed to the cache, and the prompt tokens found
+    # cached when the sequence was first admitted.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_committed_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
