@@ -15,6 +15,7 @@ from model.block_manager import BlockManager, blocks_for
 from model.config import EngineConfig, ModelConfig, RuntimeInfo
 from model.kv_cache import KVCache
 from model.loading import load_weights, resolve_device, resolve_dtype
+from model.request_checks import check_request
 from model.runner import ModelRunner
 from model.sampling import SamplingRow
 from model.sampling_params import SamplingParams
@@ -99,8 +100,9 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError for an id in use, an empty prompt, a token id
-        outside the vocabulary, or a prompt plus max_tokens beyond the context."""
+        """Queue a request. Raises ValueError for an id in use, a request that fails
+        `model.request_checks.check_request` (a `RequestError` naming the parameter), or one
+        needing more KV blocks than the pool has."""
         self._validate(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params)
         gen = None
@@ -113,21 +115,7 @@ class Engine:
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
-        limit = self.runtime.max_model_len
-        if len(prompt) + params.max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, "
-                f"{params.max_tokens} in the completion).")
+        check_request(prompt, params, self.model_config.vocab_size, self.runtime.max_model_len)
         need = blocks_for(len(prompt) + params.max_tokens, self.config.block_size)
         if need > self.runtime.num_kv_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has {self.runtime.num_kv_blocks}")

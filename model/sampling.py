@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, per-request seeds and logprobs,
+"""Batched sampling: penalties, logit bias, temperature, top-k, top-p, per-request seeds and logprobs,
 applied to the whole batch's logits at once.
 
 Requests with a seed draw from their own `torch.Generator`, so the same seed gives the
@@ -42,6 +42,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI's `logit_bias`: each row's {token id: bias} added to its logits (B, V), in place.
+    Ids are in the vocabulary (model.request_checks)."""
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask out tokens outside each row's top-k and nucleus top-p. logits (B, V) already tempered."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
@@ -73,6 +84,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     logits = logits.float()
     if any(r.params.needs_penalties for r in rows):
         logits = apply_penalties(logits, rows)
+    if any(r.params.logit_bias for r in rows):
+        logits = apply_logit_bias(logits, rows)
     for i, r in enumerate(rows):
         if r.suppress_ids:
             logits[i, r.suppress_ids] = float("-inf")

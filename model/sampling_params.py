@@ -12,16 +12,50 @@ MAX_LOGPROBS = 20
 # Below this temperature sampling is greedy: logits / temperature would overflow float32
 # (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+MAX_INT64 = 2**63 - 1  # seeds and top_k become int64 tensors
+MAX_LOGIT_BIAS = 100.0  # |bias| per token, as OpenAI and vLLM
 
 
-def _check_range(name: str, value: float, lo: float | None, hi: float | None, allowed: str,
-                 integer: bool = False) -> None:
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {allowed}, got {value!r}")
-    # NaN compares false with everything: reject it explicitly.
-    if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of one numeric parameter: [lo, hi], or (lo, hi] with `lo_open`."""
+
+    lo: float | None
+    hi: float | None
+    allowed: str  # how error messages state the range
+    lo_open: bool = False
+    integer: bool = False
+
+    def check(self, name: str, value: object) -> None:
+        """Raise ValueError naming `name`, the value and the range unless `value` is allowed."""
+        kind = numbers.Integral if self.integer else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{name} must be {'an integer' if self.integer else 'a number'} {self.allowed}, "
+                             f"got {value!r}")
+        lo_ok = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        # NaN compares false with everything, so it fails here too.
+        if not (lo_ok and (self.hi is None or value <= self.hi) and value == value):
+            raise ValueError(f"{name} must be {self.allowed}, got {value!r}")
+
+
+# The one declaration of each parameter's range: `SamplingParams` checks against it and the HTTP
+# request models (service/protocol.py) build their field constraints from it.
+PARAM_RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, None, ">= 1", integer=True),
+    "temperature": Range(0.0, 2.0, "in [0, 2]"),
+    "top_p": Range(0.0, 1.0, "in (0, 1]", lo_open=True),
+    "top_k": Range(-1, MAX_INT64, "-1 (disabled), 0 (disabled) or >= 1 (at most 2**63 - 1)", integer=True),
+    "seed": Range(0, MAX_INT64, "in [0, 2**63 - 1]", integer=True),
+    "min_tokens": Range(0, None, ">= 0", integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True),
+    "presence_penalty": Range(-2.0, 2.0, "in [-2, 2]"),
+    "frequency_penalty": Range(-2.0, 2.0, "in [-2, 2]"),
+    "repetition_penalty": Range(0.0, 2.0, "in (0, 2]", lo_open=True),
+    "logit_bias": Range(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+}
+_SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty",
+            "frequency_penalty", "repetition_penalty")
+_OPTIONAL = frozenset({"seed", "logprobs"})  # None: not set
 
 
 @dataclass
@@ -44,28 +78,27 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self._validate()
 
     def _validate(self) -> None:
-        _check_range("max_tokens", self.max_tokens, 1, None, ">= 1", integer=True)
-        _check_range("temperature", self.temperature, 0.0, 2.0, "in [0, 2]")
-        _check_range("top_p", self.top_p, 1e-9, 1.0, "in (0, 1]")
-        _check_range("top_k", self.top_k, -1, None, "-1 (disabled), 0 (disabled) or >= 1", integer=True)
-        if self.seed is not None:
-            _check_range("seed", self.seed, 0, 2**63 - 1, "in [0, 2**63 - 1]", integer=True)
-        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens, f"in [0, max_tokens={self.max_tokens}]",
-                     integer=True)
-        if self.logprobs is not None:
-            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]", integer=True)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
-        _check_range("repetition_penalty", self.repetition_penalty, 1e-6, 2.0, "in (0, 2]")
+        for name in _SCALARS:
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                PARAM_RANGES[name].check(name, value)
+        Range(0, self.max_tokens, f"in [0, max_tokens={self.max_tokens}]", integer=True).check(
+            "min_tokens", self.min_tokens)
+        for token_id, bias in self.logit_bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+            PARAM_RANGES["logit_bias"].check(f"logit_bias[{token_id}]", bias)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -1,8 +1,10 @@
 """Pydantic models of the OpenAI-compatible request bodies: JSON in, `SamplingParams` out.
 
-Unknown fields are ignored (clients send many). Types are strict (a boolean is not "yes",
-an integer is not 1.5) and every range is checked here, so a bad field is a 400 naming it.
-Response bodies are built in `service/responses.py`.
+Unknown fields are ignored (clients send many), but a known field that would change what the
+request means and that this server does not implement is a 400 naming it (`UNSUPPORTED`), never
+dropped. Types are strict (a boolean is not "yes", an integer is not 1.5) and every range is
+checked here, from the one table of ranges (`model.sampling_params.PARAM_RANGES`), so a bad
+field is a 400 naming it. Response bodies are built in `service/responses.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from model.sampling_params import MAX_LOGPROBS, SamplingParams
+from model.sampling_params import PARAM_RANGES, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 32  # prompts in one completions request
@@ -19,12 +21,37 @@ MAX_STOP = 8  # stop strings
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_CHARS = 256  # length of one stop string
 MAX_MESSAGES = 512
-MAX_TOP_K = 2**31 - 1  # torch's top-k overflowed past int64 and killed the engine step
+MAX_LOGIT_BIAS_TOKENS = 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+# Known fields this server does not implement, with their neutral values: any other value
+# changes what the request means, so it is a 400 naming the field rather than ignored.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "min_p": (0, 0.0),
+    "use_beam_search": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+}
+UNSUPPORTED_COMPLETIONS = {"suffix": ("",)}
+UNSUPPORTED_CHAT = {"echo": (False,), "continue_final_message": (False,), "audio": (), "modalities": (["text"],)}
 
 Prompt = Union[str, list[int]]
 
-_Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+def _ranged(name: str) -> Any:
+    """The pydantic constraint of parameter `name`, from the one table of ranges."""
+    r = PARAM_RANGES[name]
+    lower = {} if r.lo is None else {"gt" if r.lo_open else "ge": r.lo}
+    return Field(**lower, **({} if r.hi is None else {"le": r.hi}))
+
+
+def _reject_unsupported(table: dict[str, tuple[Any, ...]], value: Any, name: str) -> Any:
+    if value is not None and not any(value == neutral and type(value) is type(neutral) for neutral in table[name]):
+        raise ValueError(f"{name} is not supported by this server; leave it out")
+    return value
 
 
 class _Request(BaseModel):
@@ -33,29 +60,60 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM's extensions)."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: _Temperature = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    max_tokens: Annotated[int, _ranged("max_tokens")] | None = None
+    temperature: Annotated[float, _ranged("temperature")] = 1.0
+    top_p: Annotated[float, _ranged("top_p")] = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, _ranged("seed")] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: _Penalty = 0.0
-    frequency_penalty: _Penalty = 0.0
+    presence_penalty: Annotated[float, _ranged("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, _ranged("frequency_penalty")] = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, _ranged("logit_bias")]],
+                          Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     # vLLM extensions
-    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] = -1
+    top_k: Annotated[int, _ranged("top_k")] = -1
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, _ranged("min_tokens")] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, _ranged("repetition_penalty")] = 1.0
+    # Not implemented (UNSUPPORTED): a 400 unless neutral.
+    min_p: Any = None
+    use_beam_search: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    include_stop_str_in_output: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+
+    @field_validator(*UNSUPPORTED, mode="plain")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_unsupported(UNSUPPORTED, value, info.field_name)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is False:
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {_short(key)}")
+        return bias
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -78,23 +136,33 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
     def requested_max_tokens(self) -> int | None:
         """The completion length the client asked for, if any."""
         return self.max_tokens
+
+    def default_max_tokens(self) -> int | None:
+        """The completion length when the request gives none (None: the rest of the context)."""
+        return None
 
     def logprobs_count(self) -> int | None:
         """Top-N logprobs per generated token (None: no logprobs)."""
         return None
 
-    def to_sampling_params(self, default_max_tokens: int, choice: int = 0) -> SamplingParams:
-        """Decoding parameters of choice `choice`; `default_max_tokens` (what the context
-        allows) applies when the request gives none. A seed gives choice i the seed + i.
+    def to_sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """Decoding parameters of choice `choice`, generating at most `max_tokens` (the
+        serving layer resolves the request's value or the default against the context). A seed
+        gives choice i the seed + i.
 
         Raises ValueError naming the field when a combination is invalid (min_tokens > max_tokens).
         """
         seed = None if self.seed is None else (self.seed + choice) % 2**63
         return SamplingParams(
-            max_tokens=self.requested_max_tokens() or default_max_tokens,
+            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -107,7 +175,12 @@ class _SamplingFields(_Request):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
+
+
+def _short(value: str) -> str:
+    return repr(value if len(value) <= 20 else value[:17] + "...")
 
 
 def _check_prompt(value: Any) -> list[Prompt]:
@@ -141,13 +214,34 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: Any
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, _ranged("logprobs")] | None = None
     echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # only = n: we return every choice
+    suffix: Any = None  # UNSUPPORTED_COMPLETIONS
 
     @field_validator("prompt", mode="plain")
     @classmethod
     def _validate_prompt(cls, value: Any) -> list[Prompt]:
         return _check_prompt(value)
+
+    @field_validator(*UNSUPPORTED_COMPLETIONS, mode="plain")
+    @classmethod
+    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_unsupported(UNSUPPORTED_COMPLETIONS, value, info.field_name)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of must be >= n, got best_of={best_of} and n={n}")
+        if best_of is not None and best_of > n:
+            raise ValueError(f"best_of > n is not supported by this server (got best_of={best_of}, n={n}): "
+                             "it returns every choice it samples, so ask for n choices instead")
+        return best_of
+
+    def default_max_tokens(self) -> int | None:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -201,10 +295,20 @@ class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, _ranged("max_tokens")] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, _ranged("logprobs")] | None = None
     add_generation_prompt: bool = True
+    # Not implemented (UNSUPPORTED_CHAT): a 400 unless neutral.
+    echo: Any = None
+    continue_final_message: Any = None
+    audio: Any = None
+    modalities: Any = None
+
+    @field_validator(*UNSUPPORTED_CHAT, mode="plain")
+    @classmethod
+    def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_unsupported(UNSUPPORTED_CHAT, value, info.field_name)
 
     @field_validator("top_logprobs")
     @classmethod

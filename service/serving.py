@@ -1,7 +1,8 @@
 """The OpenAI endpoints' logic: validate and tokenize, run through the engine handle, format.
 
 Everything a client can get wrong is checked here, before the engine sees it, and becomes an
-`APIError` (400 naming the parameter). One HTTP request is one streaming handle call carrying
+`APIError` (400 naming the parameter); checks that need the model are `model.request_checks`,
+the same function the engine calls. One HTTP request is one streaming handle call carrying
 all its (prompt, choice) pairs, so Serve's admission limits count HTTP requests.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from model.request_checks import RequestError, check_request, check_token_ids
 from model.sequence import RequestOutput
 from service.chat import ChatTemplate
 from service.engine_deployment import ModelInfo
@@ -140,48 +142,36 @@ class OpenAIServing:
 
     def token_ids(self, prompt: Prompt, param: str = "prompt") -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise APIError(f"{param} must not be empty", param=param)
-        bad = next((t for t in ids if t >= self.info.vocab_size), None)
-        if bad is not None:
-            raise APIError(f"token id {bad} in {param} is outside the vocabulary: allowed 0..{self.info.vocab_size - 1}",
-                           param=param)
+        try:
+            check_token_ids(ids, self.info.vocab_size, param)
+        except RequestError as exc:
+            raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
         return ids
 
-    def _completion_budget(self, num_prompt: int, requested: int | None, param: str) -> int:
-        """max_tokens for a prompt: the request's, or all the context that is left."""
-        limit = self.info.max_model_len
-        wanted = requested if requested is not None else max(limit - num_prompt, 1)
-        if num_prompt + wanted > limit:
-            raise APIError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{num_prompt + wanted} tokens ({num_prompt} in the prompt, {wanted} in the "
-                           "completion). Please reduce the length of the prompt or the completion.",
-                           param=param,
-                           code="context_length_exceeded")
-        return wanted
+    def _max_tokens(self, num_prompt: int, req: CompletionRequest | ChatCompletionRequest) -> int:
+        """The request's max_tokens, or its default clipped to the context that is left."""
+        requested = req.requested_max_tokens()
+        if requested is not None:
+            return requested
+        left = max(self.info.max_model_len - num_prompt, 1)  # a full prompt fails the context check
+        default = req.default_max_tokens()
+        return left if default is None else min(default, left)
 
     def _sub_requests(self, request_id: str, prompts: list[list[int]],
                       req: CompletionRequest | ChatCompletionRequest) -> list[SubRequest]:
         if len(prompts) * req.n > MAX_CHOICES_TOTAL:
             raise APIError(f"n x number of prompts may be at most {MAX_CHOICES_TOTAL}, got "
                            f"{req.n} x {len(prompts)}", param="n")
-        # An id past the vocabulary would index outside the logits inside the step (min_tokens
-        # suppresses stop ids there) and fail the whole batch, so it stops here.
-        bad = next((t for t in req.stop_token_ids or [] if t >= self.info.vocab_size), None)
-        if bad is not None:
-            raise APIError(f"stop_token_ids contains {bad}, outside the vocabulary: allowed 0.."
-                           f"{self.info.vocab_size - 1}", param="stop_token_ids")
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         subs = []
-        requested = req.requested_max_tokens()
         for i, ids in enumerate(prompts):
-            budget = self._completion_budget(len(ids), requested,
-                                             "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-            for j in range(req.n):
-                try:
-                    params = req.to_sampling_params(budget, choice=j)
-                except ValueError as exc:
-                    raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
-                subs.append(SubRequest(f"{request_id}-{i * req.n + j}", ids, params))
+            try:
+                choices = [req.to_sampling_params(self._max_tokens(len(ids), req), choice=j) for j in range(req.n)]
+                # The engine runs the same check; here it is a 400 before anything is queued.
+                check_request(ids, choices[0], self.info.vocab_size, self.info.max_model_len, param)
+            except ValueError as exc:
+                raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
+            subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params) for j, params in enumerate(choices))
         return subs
 
     # ---- endpoints ----------------------------------------------------------------------
@@ -223,7 +213,8 @@ class OpenAIServing:
             run.cancel()
             raise
         if req.stream:
-            return self._stream(run, fmt, choices, index_of, prefixes, num_prompt_tokens, req.include_usage)
+            return self._stream(run, fmt, choices, index_of, prefixes, [len(p) for p in prompts],
+                                req.include_usage, req.continuous_usage)
         try:
             async for batch in run.batches():
                 for out in batch:
@@ -234,21 +225,32 @@ class OpenAIServing:
         return fmt.response(choices, prefixes, usage(num_prompt_tokens, completion_tokens))
 
     async def _stream(self, run: _Run, fmt: CompletionFormat | ChatFormat, choices: list[ChoiceState],
-                      index_of: dict[str, int], prefixes: list[str], num_prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      index_of: dict[str, int], prefixes: list[str], prompt_lens: list[int],  # per prompt
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         """SSE lines: one chunk per choice per batch, optional usage, then [DONE]. An error
-        after the stream started is sent as an `error` event before [DONE]."""
+        after the stream started is sent as an `error` event before [DONE].
+
+        With `continuous_usage` every chunk also carries its choice's usage so far (its prompt
+        and the tokens generated for it, as vLLM reports it); `include_usage` adds the
+        request's total in a last chunk without choices."""
+
+        def event(chunk: dict[str, Any], c: ChoiceState) -> str:
+            if continuous_usage:
+                chunk["usage"] = usage(prompt_lens[c.prompt_index], c.num_output_tokens)
+            return sse(chunk)
+
         try:
             for c in choices:
                 if isinstance(fmt, ChatFormat):
-                    yield sse(fmt.role_chunk(c.index))
+                    yield event(fmt.role_chunk(c.index), c)
                 elif prefixes[c.index]:
-                    yield sse(fmt.chunk(c.index, prefixes[c.index], [], None))
+                    yield event(fmt.chunk(c.index, prefixes[c.index], [], None), c)
             async for batch in run.batches():
                 for index, outs in _group(batch, index_of).items():
-                    yield sse(self._delta_chunk(fmt, choices[index], outs, len(prefixes[index])))
+                    c = choices[index]
+                    yield event(self._delta_chunk(fmt, c, outs, len(prefixes[index])), c)
             if include_usage:
-                yield sse(fmt.usage_chunk(usage(num_prompt_tokens, sum(c.num_output_tokens for c in choices))))
+                yield sse(fmt.usage_chunk(usage(sum(prompt_lens), sum(c.num_output_tokens for c in choices))))
         except APIError as exc:
             yield sse(exc.body())
         except asyncio.CancelledError:

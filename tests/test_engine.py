@@ -127,7 +127,9 @@ def test_finished_requests_free_their_blocks_and_report_times() -> None:
     ([300], SamplingParams(), "outside the vocabulary"),
     ([1] * 1000, SamplingParams(max_tokens=100), "maximum context length is 1024 tokens. However, you requested 1100"),
     # Suppressed while below min_tokens: an id past the logits would fail the whole batch's step.
-    ([1], SamplingParams(stop_token_ids=[258], min_tokens=1), "stop_token_ids: 258 is outside the vocabulary"),
+    ([1], SamplingParams(stop_token_ids=[258], min_tokens=1),
+     "token id 258 in stop_token_ids is outside the vocabulary"),
+    ([1], SamplingParams(logit_bias={258: 1.0}), "token id 258 in logit_bias is outside the vocabulary"),
 ])
 def test_add_request_rejects_bad_input(prompt, params, message) -> None:
     engine = Engine(MODEL, EngineConfig(num_kv_blocks=128))

@@ -4,6 +4,7 @@ penalties, checked on fixed logits through `model.sampling.sample` and end to en
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ BAD_VALUES = [
     ("top_p", NAN, "(0, 1]"),
     ("top_k", -2, ">= 1"),
     ("top_k", 2.5, ">= 1"),
+    ("top_k", 2**63, "at most 2**63 - 1"),
     ("seed", -1, "[0, 2**63 - 1]"),
     ("seed", 2**63, "[0, 2**63 - 1]"),
     ("seed", 1.5, "[0, 2**63 - 1]"),
@@ -65,11 +67,23 @@ def test_bad_values_are_value_errors_naming_field_value_and_range(field, value, 
     assert allowed in msg, msg
 
 
+@pytest.mark.parametrize("bias, words", [
+    ({5: 100.5}, "logit_bias[5] must be in [-100, 100], got 100.5"),
+    ({5: NAN}, "logit_bias[5] must be in [-100, 100], got nan"),
+    ({5: "up"}, "logit_bias[5] must be a number"),
+    ({-1: 1.0}, "logit_bias keys must be non-negative token ids, got -1"),
+])
+def test_bad_logit_bias_is_a_value_error_naming_the_token(bias, words) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(logit_bias=bias)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"max_tokens": 1}, {"temperature": 0}, {"temperature": 2.0}, {"top_p": 1.0}, {"top_p": 1e-6},
     {"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"seed": 0}, {"seed": 2**63 - 1},
     {"min_tokens": 16}, {"logprobs": 0}, {"logprobs": 20}, {"presence_penalty": -2.0},
     {"frequency_penalty": 2}, {"repetition_penalty": 2.0}, {"stop_token_ids": [0]},
+    {"logit_bias": {0: -100, 7: 100.0}},
 ])
 def test_edge_values_are_accepted(kwargs) -> None:
     p = SamplingParams(**kwargs)
@@ -240,6 +254,21 @@ def test_penalties_apply_per_row() -> None:
     assert torch.equal(got, torch.tensor([[-2.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, -2.0]]))
 
 
+def test_logit_bias_shifts_the_logits_of_its_row_only() -> None:
+    # bias 1.0 on token 0 and -100 on token 7 of row 0: softmax follows the shifted logits there.
+    biased = row(SamplingParams(temperature=1.0, logit_bias={0: 1.0, 7: -100}))
+    shifted = LOGITS.clone()
+    shifted[0] += 1.0
+    shifted[7] -= 100
+    counts = counts_of(LOGITS, biased.params, 4000)
+    assert counts[7] == 0
+    assert_follows(counts, torch.softmax(shifted, dim=-1))
+    # Greedy rows follow the bias too; an unbiased row beside it does not move.
+    rows = [row(SamplingParams(temperature=0, logit_bias={5: 100})), row(SamplingParams(temperature=0))]
+    tokens, _ = sample(LOGITS.expand(2, -1).clone(), rows)
+    assert tokens == [5, 0]
+
+
 # ---- end to end through LLM -----------------------------------------------------------
 
 
@@ -272,9 +301,21 @@ def test_frequency_penalty_breaks_greedy_repetition(tiny: LLM) -> None:
     assert max(penalised.token_ids.count(t) for t in penalised.token_ids) <= 3
 
 
+def test_logit_bias_steers_generation(tiny: LLM) -> None:
+    (plain,) = tiny.generate("The cat", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    target = next(t for t in range(10, 100) if t not in plain.token_ids)
+    (biased,) = tiny.generate("The cat", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                        logit_bias={target: 100}))
+    assert biased.token_ids == [target] * 6
+    banned = plain.token_ids[0]
+    (banned_out,) = tiny.generate("The cat", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                            logit_bias={banned: -100}))
+    assert banned not in banned_out.token_ids
+
+
 def test_a_huge_top_k_keeps_every_token_and_does_not_overflow() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0]])
-    row = SamplingRow(SamplingParams(temperature=1.0, top_k=2**70, seed=3), [1], [],
+    row = SamplingRow(SamplingParams(temperature=1.0, top_k=2**63 - 1, seed=3), [1], [],
                       torch.Generator().manual_seed(3), [])
     seen = {sample(logits, [row])[0][0] for _ in range(200)}
     assert seen == {0, 1, 2}

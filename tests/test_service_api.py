@@ -4,6 +4,7 @@ client, a tiny random-weight checkpoint (byte tokenizer, 256-token context), an 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -147,10 +148,71 @@ def test_token_id_prompts_and_default_model(http: httpx.Client) -> None:
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "hello"}
 
 
-def test_max_tokens_defaults_to_the_rest_of_the_context(http: httpx.Client) -> None:
-    body = http.post("/v1/completions", json={"prompt": "a" * 200, "temperature": 0, "ignore_eos": True}).json()
-    assert body["usage"]["completion_tokens"] == MAX_MODEL_LEN - 200
-    assert body["choices"][0]["finish_reason"] == "length"
+def test_default_max_tokens_is_16_on_completions_and_the_context_on_chat(client: openai.OpenAI) -> None:
+    # Completions: OpenAI's and vLLM's default of 16, clipped to the context that is left.
+    out = client.completions.create(model=MODEL, prompt="a" * 100, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    near_full = client.completions.create(model=MODEL, prompt="a" * (MAX_MODEL_LEN - 5), temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert near_full.usage.completion_tokens == 5
+    # Chat: the rest of the context, as OpenAI's chat does; max_completion_tokens is honoured.
+    messages = [{"role": "user", "content": "a" * 150}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == MAX_MODEL_LEN - chat.usage.prompt_tokens
+    assert chat.choices[0].finish_reason == "length"
+    capped = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_completion_tokens=7,
+                                            extra_body={"ignore_eos": True})
+    assert capped.usage.completion_tokens == 7
+
+
+def _usage_of(chunk: Any) -> tuple[int, int, int]:
+    u = chunk.usage
+    assert u is not None, chunk
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    return u.prompt_tokens, u.completion_tokens, u.total_tokens
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = ["ab", "cdef"]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=10, temperature=0.8,
+                                            seed=3, stream=True, stream_options=options,
+                                            extra_body={"ignore_eos": True}))
+    *per_choice, last = chunks
+    assert per_choice and all(len(c.choices) == 1 for c in per_choice)
+    so_far: dict[int, int] = {}
+    for chunk in per_choice:  # each choice's own prompt and its tokens so far, growing to the end
+        index = chunk.choices[0].index
+        prompt_tokens, completion_tokens, _ = _usage_of(chunk)
+        assert prompt_tokens == len(prompts[index // 2])
+        assert completion_tokens >= so_far.get(index, 1)
+        so_far[index] = completion_tokens
+    assert so_far == {0: 10, 1: 10, 2: 10, 3: 10}
+    assert last.choices == [] and _usage_of(last) == (6, 40, 46)
+
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=6, temperature=0, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and _usage_of(chat[0])[1] == 0
+    counts = [_usage_of(c)[1] for c in chat[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert {_usage_of(c)[0] for c in chat} == {chat[-1].usage.prompt_tokens}
+    # Without the option only the last chunk carries usage.
+    plain = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=3, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_logit_bias_steers_completions_and_chat(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="xyz", max_tokens=5, temperature=0,
+                                    logit_bias={str(ord("Q")): 100}, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == "QQQQQ"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=4,
+                                          temperature=0, logit_bias={str(ord("z")): 100},
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == "zzzz"
 
 
 def test_models_and_health(http: httpx.Client, base_url: str) -> None:

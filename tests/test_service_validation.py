@@ -75,10 +75,33 @@ CASES = [
     ("/v1/completions", _cmpl(stop_token_ids=[258], min_tokens=2), 400, "stop_token_ids", "0..257"),
     ("/v1/completions", _cmpl(stop_token_ids=[2**70]), 400, "stop_token_ids", "vocabulary"),
     ("/v1/completions", _cmpl(ignore_eos="no"), 400, "ignore_eos", "boolean"),
+    # stream_options only with stream: true (OpenAI and vLLM)
+    ("/v1/completions", _cmpl(stream_options={"include_usage": True}), 400, "stream_options",
+     "stream_options can only be set when stream is true"),
+    ("/v1/completions", _cmpl(stream=False, stream_options={}), 400, "stream_options", "only be set when stream"),
+    ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), 400, "stream_options",
+     "stream_options can only be set when stream is true"),
+    # fields that change the request's meaning and are not implemented: never dropped silently
+    ("/v1/completions", _cmpl(suffix="tail"), 400, "suffix", "not supported"),
+    ("/v1/completions", _cmpl(best_of=3), 400, "best_of", "best_of > n is not supported"),
+    ("/v1/completions", _cmpl(best_of=1, n=2), 400, "best_of", "best_of must be >= n"),
+    ("/v1/completions", _cmpl(min_p=0.1), 400, "min_p", "not supported"),
+    ("/v1/completions", _cmpl(use_beam_search=True), 400, "use_beam_search", "not supported"),
+    ("/v1/completions", _cmpl(prompt_logprobs=1), 400, "prompt_logprobs", "not supported"),
+    ("/v1/completions", _cmpl(include_stop_str_in_output=True), 400, "include_stop_str_in_output", "not supported"),
+    ("/v1/chat/completions", _chat(echo=True), 400, "echo", "not supported"),
+    ("/v1/chat/completions", _chat(modalities=["text", "audio"]), 400, "modalities", "not supported"),
+    ("/v1/chat/completions", _chat(bad_words=["x"]), 400, "bad_words", "not supported"),
+    # logit_bias: token id keys in the vocabulary, values in [-100, 100]
+    ("/v1/completions", _cmpl(logit_bias={"abc": 1}), 400, "logit_bias", "token ids"),
+    ("/v1/completions", _cmpl(logit_bias={"5": 101}), 400, "logit_bias.5", "<= 100"),
+    ("/v1/completions", _cmpl(logit_bias={"5": "up"}), 400, "logit_bias.5", "number"),
+    ("/v1/completions", _cmpl(logit_bias={"258": 1}), 400, "logit_bias", "token id 258 in logit_bias"),
+    ("/v1/chat/completions", _chat(logit_bias={"1000": -1}), 400, "logit_bias", "0..257"),
     ("/v1/completions", _cmpl(user="u" * 300), 400, "user", "256"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "required"),
     ("/v1/completions", _cmpl(prompt=[]), 400, "prompt", "string"),
-    ("/v1/completions", _cmpl(prompt=""), 400, "prompt", "empty"),
+    ("/v1/completions", _cmpl(prompt=""), 400, "prompt", "prompt must not be empty"),
     ("/v1/completions", _cmpl(prompt=[[]]), 400, "prompt", "empty"),
     ("/v1/completions", _cmpl(prompt=[1, "a"]), 400, "prompt", "token ids"),
     ("/v1/completions", _cmpl(prompt=[1, True]), 400, "prompt", "token ids"),
@@ -162,6 +185,15 @@ def test_body_too_large(http: httpx.Client) -> None:
 def test_unknown_route_and_method(http: httpx.Client) -> None:
     _check_error(http.post("/v1/nothing", json={}), 404, None, "Not Found")
     _check_error(http.get("/v1/completions"), 405, None, "Method Not Allowed")
+
+
+def test_neutral_values_and_unknown_fields_are_accepted(http: httpx.Client) -> None:
+    neutral = {"suffix": "", "best_of": 2, "n": 2, "min_p": 0, "use_beam_search": False, "stream_options": None,
+               "logit_bias": {}, "a_field_nobody_knows": {"x": 1}, "metadata": {"k": "v"}, "store": False}
+    r = http.post("/v1/completions", json=_cmpl(**neutral))
+    assert r.status_code == 200, r.text
+    chat = http.post("/v1/chat/completions", json=_chat(echo=False, modalities=["text"], service_tier="auto"))
+    assert chat.status_code == 200, chat.text
 
 
 def test_service_is_healthy_afterwards(http: httpx.Client) -> None:
