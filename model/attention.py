@@ -1,11 +1,19 @@
-"""Multi-head attention over the paged KV cache, with two scoring functions behind one interface.
+"""Attention over the paged KV cache, with two scoring functions behind one interface.
 
-- `dot`: softmax(Q K^T / sqrt(d_k)) V, all heads at once through torch SDPA.
+- `dot`: softmax(Q K^T / sqrt(d_k)) V, all heads at once through torch SDPA; grouped-query
+  attention (fewer K/V heads than query heads) included.
 - `additive` (Bahdanau): score(q, k) = v^T tanh(W_q q + W_k k), per head, with its own
   parameters. The cache stores the projected keys W_k k, so the past is never recomputed.
+
+`PagedAttention` is the seam every architecture calls: it writes this step's K/V into the
+cache and attends each query over its sequence's cached past. Decoding runs through the
+reference gather path, or through a fused kernel (`DecodeKernel`) that the runner puts
+in the step's metadata; prefill always uses the gather path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +21,10 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.kv_cache import AttnMetadata, KVCache
+
+# A fused decode kernel: (q (B, Hq, d), k_cache, v_cache (num_blocks, block_size, Hkv, d),
+# block_tables (B, W) long, context_lens (B,) long, scale) -> (B, Hq, d).
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 # Upper bound on the elements of the (B, H, Lq, S, d) tensor additive attention builds at once.
 ADDITIVE_CHUNK_ELEMS = 1 << 22
@@ -30,13 +42,16 @@ class DotScore(nn.Module):
 
         `mask`: bool, broadcastable to (B, H, Lq, S), True where a key may be seen.
         `causal_offset`: query i sits at position causal_offset + i and sees keys 0 .. that position.
+        K/V may have fewer heads than q (grouped-query attention): query head h reads K/V head
+        h // (Hq / Hkv).
         """
+        gqa = q.shape[1] != k.shape[1]
         if causal_offset is not None:
             if causal_offset == 0 and mask is None:
                 # SDPA scales by 1/sqrt(d_k) itself.
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             mask = causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def causal_mask(lq: int, s: int, offset: int, device: torch.device) -> torch.Tensor:
@@ -81,27 +96,19 @@ class AdditiveScore(nn.Module):
         return torch.cat(outs, dim=2)
 
 
-class MultiHeadAttention(nn.Module):
-    """Q/K/V projections, h heads of d_k = d_v = d_model / h, a scoring function, output projection."""
+class PagedAttention:
+    """This step's queries over the paged cache of one layer with a scoring function, `dot`
+    or `additive` (the latter without grouped-query attention). Holds no parameters: the
+    layer that owns the scoring module (and its weights) passes it in."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
+    def __init__(self, layer: int, d_head: int, score: DotScore | AdditiveScore) -> None:
         self.layer = layer
-        self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model)
-        self.score: DotScore | AdditiveScore = (
-            AdditiveScore(cfg.n_heads, cfg.d_head) if cfg.attention == "additive" else DotScore()
-        )
+        self.scale = d_head**-0.5
+        self.score = score
 
-    def forward(self, x: torch.Tensor, meta: AttnMetadata | None, cache: KVCache | None) -> torch.Tensor:
-        """x (T, d_model) -> (T, d_model); writes this step's K/V into `cache` first.
-
-        Without a cache (training), x is (B, T, d_model): causal attention within each row."""
-        if cache is None:
-            return self._dense_causal(x)
-        t = x.shape[0]
-        q, k, v = self.qkv(x).view(t, 3, self.n_heads, self.d_head).unbind(1)  # each (T, H, d)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata,
+                cache: KVCache) -> torch.Tensor:
+        """q (T, Hq, d), k/v (T, Hkv, d) -> (T, Hq, d); writes this step's K/V into `cache` first."""
         cache.update(self.layer, meta.slot_mapping, self.score.project_keys(k), v)
         out = torch.empty_like(q)
         if meta.num_decode:
@@ -109,7 +116,54 @@ class MultiHeadAttention(nn.Module):
         for chunk in meta.prefills:
             sl = slice(chunk.start, chunk.start + chunk.length)
             out[sl] = self._prefill(q[sl], chunk.block_table, chunk.context_len, cache)
-        return self.out(out.view(t, -1))
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
+        """One query per sequence: q (B, Hq, d) against each sequence's cached past -> (B, Hq, d)."""
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        if meta.decode_kernel is not None and isinstance(self.score, DotScore):
+            return meta.decode_kernel(q, cache.keys[self.layer], cache.values[self.layer],
+                                      meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        k, v = cache.gather(self.layer, meta.decode_block_tables)  # (B, S_blocks, Hkv, d)
+        s = meta.decode_max_context
+        k, v = k[:, :s].transpose(1, 2), v[:, :s].transpose(1, 2)  # (B, Hkv, S, d)
+        mask = meta.decode_mask  # (B, 1, 1, S)
+        return self.score.attend(q.unsqueeze(2), k, v, mask=mask).squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                 cache: KVCache) -> torch.Tensor:
+        """A chunk of L queries at the end of a context of `context_len` positions -> (L, Hq, d)."""
+        length = q.shape[0]
+        k, v = cache.gather(self.layer, block_table[None])  # (1, S_blocks, Hkv, d)
+        k, v = k[:, :context_len].transpose(1, 2), v[:, :context_len].transpose(1, 2)  # (1, Hkv, S, d)
+        start = context_len - length  # query i sits at position start + i
+        out = self.score.attend(q.transpose(0, 1)[None], k, v, causal_offset=start)  # (1, Hq, L, d)
+        return out[0].transpose(0, 1)
+
+
+class MultiHeadAttention(nn.Module):
+    """The paper's (and GPT-2's) attention: one fused Q/K/V projection, h heads of
+    d_k = d_v = d_model / h, a scoring function over the paged cache, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.score: DotScore | AdditiveScore = (
+            AdditiveScore(cfg.n_heads, cfg.d_head) if cfg.attention == "additive" else DotScore()
+        )
+        self.attn = PagedAttention(layer, cfg.d_head, self.score)
+
+    def forward(self, x: torch.Tensor, meta: AttnMetadata | None, cache: KVCache | None) -> torch.Tensor:
+        """x (T, d_model) -> (T, d_model) over the paged cache.
+
+        Without a cache (training), x is (B, T, d_model): causal attention within each row."""
+        if cache is None:
+            return self._dense_causal(x)
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.n_heads, self.d_head).unbind(1)  # each (T, H, d)
+        return self.out(self.attn(q, k, v, meta, cache).view(t, -1))
 
     def _dense_causal(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model), every position seeing itself and the past."""
@@ -119,22 +173,3 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, H, T, d)
         out = self.score.attend(q, k, v, causal_offset=0)  # (B, H, T, d)
         return self.out(out.transpose(1, 2).reshape(b, t, -1))
-
-    def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
-        """One query per sequence: q (B, H, d) against each sequence's cached past -> (B, H, d)."""
-        assert meta.decode_block_tables is not None
-        k, v = cache.gather(self.layer, meta.decode_block_tables)  # (B, S, H, d)
-        s = meta.decode_max_context
-        k, v = k[:, :s].transpose(1, 2), v[:, :s].transpose(1, 2)  # (B, H, S, d)
-        mask = meta.decode_mask  # (B, 1, 1, S)
-        return self.score.attend(q.unsqueeze(2), k, v, mask=mask).squeeze(2)
-
-    def _prefill(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
-                 cache: KVCache) -> torch.Tensor:
-        """A chunk of L queries at the end of a context of `context_len` positions -> (L, H, d)."""
-        length = q.shape[0]
-        k, v = cache.gather(self.layer, block_table[None])  # (1, S_blocks, H, d)
-        k, v = k[:, :context_len].transpose(1, 2), v[:, :context_len].transpose(1, 2)  # (1, H, S, d)
-        start = context_len - length  # query i sits at position start + i
-        out = self.score.attend(q.transpose(0, 1)[None], k, v, causal_offset=start)  # (1, H, L, d)
-        return out[0].transpose(0, 1)

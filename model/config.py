@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 AttentionKind = Literal["dot", "additive"]
+Arch = Literal["transformer", "gpt2", "llama"]
+ROPE_SCALING_TYPES = ("linear", "llama3")
 
 # Byte-level vocabulary: 256 byte values followed by the special tokens.
 BYTE_VOCAB = 256
@@ -20,12 +22,33 @@ BYTE_VOCAB_SIZE = 258
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """`rope_scaling` of a Llama-family config: `linear` divides every frequency by `factor`;
+    `llama3` divides only the low frequencies and blends the middle band (Llama 3.1)."""
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALING_TYPES:
+            raise ValueError(f"rope_scaling type {self.kind!r} is not supported; supported: "
+                             f"{', '.join(ROPE_SCALING_TYPES)}")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and flavour of a decoder-only Transformer.
 
     `transformer` is the paper's decoder (post-LayerNorm, sinusoidal positions,
     ReLU FFN, embeddings scaled by sqrt(d_model) and tied to the output layer);
-    `gpt2` is GPT-2 (pre-LayerNorm, learned positions, GELU, tied LM head).
+    `gpt2` is GPT-2 (pre-LayerNorm, learned positions, GELU, tied LM head);
+    `llama` is the Llama family (Llama, Mistral, Qwen2, Qwen3): pre-RMSNorm, rotary
+    positions, SwiGLU, grouped-query attention, optional q/k/v biases and q/k norms.
     """
 
     vocab_size: int = BYTE_VOCAB_SIZE
@@ -35,25 +58,56 @@ class ModelConfig:
     d_ff: int = 2048
     max_position: int = 1024
     attention: AttentionKind = "dot"
-    arch: Literal["transformer", "gpt2"] = "transformer"
+    arch: Arch = "transformer"
     layer_norm_eps: float = 1e-5
     eos_token_id: int | None = BYTE_EOS_ID
     tokenizer: Literal["byte", "hf"] = "byte"
     init_seed: int = 0
+    # Llama family only (the defaults leave the paper's Transformer and GPT-2 as they are).
+    n_kv_heads: int | None = None  # grouped-query attention; None: one KV head per query head
+    head_dim: int | None = None  # None: d_model / n_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # Qwen2: biases on the q/k/v projections
+    out_bias: bool = False  # Llama's attention_bias: also on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    tie_word_embeddings: bool = True
+    sliding_window: int | None = None  # None: every position sees the whole context
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
+        if isinstance(self.rope_scaling, dict):  # from our own config.json
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.attention not in ("dot", "additive"):
             raise ValueError(f"attention must be 'dot' or 'additive', got {self.attention!r}")
-        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_position"):
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_position", "kv_heads", "d_head"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
+        if self.attention == "additive" and (self.arch == "llama" or self.kv_heads != self.n_heads):
+            raise ValueError("additive attention is only available for the paper's Transformer and GPT-2, "
+                             "without grouped-query attention")
 
     @property
     def d_head(self) -> int:
-        """d_k = d_v = d_model / h."""
-        return self.d_model // self.n_heads
+        """d_k = d_v: d_model / h unless the config gives head_dim (Qwen3)."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of K and V, which the paged cache stores: n_heads without GQA."""
+        return self.n_kv_heads or self.n_heads
+
+    def check_context(self, max_len: int) -> None:
+        """Refuse a context the model cannot attend over exactly (sliding-window attention)."""
+        if self.sliding_window is not None and self.sliding_window < max_len:
+            raise ValueError(
+                f"this model uses sliding-window attention over {self.sliding_window} tokens, which is not "
+                f"implemented; the requested context of {max_len} tokens is longer. Set max_model_len "
+                f"<= {self.sliding_window}")
 
     @property
     def pre_norm(self) -> bool:

@@ -14,7 +14,7 @@ import torch
 from model.block_manager import BlockManager, blocks_for
 from model.config import EngineConfig, ModelConfig, RuntimeInfo
 from model.kv_cache import KVCache
-from model.loading import load_weights, resolve_device, resolve_dtype
+from model.loading import load_weights, model_dtype, resolve_device, resolve_dtype
 from model.request_checks import check_request
 from model.runner import ModelRunner
 from model.sampling import SamplingRow
@@ -57,14 +57,15 @@ class Engine:
                  device: str = "auto", dtype: str = "auto", seed: int = 0) -> None:
         self.config = engine_config or EngineConfig()
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, model_dtype(model))
         torch.manual_seed(seed)
         self.model_name = model
         self.model_config, net, self.tokenizer = load_weights(model, self.dtype, self.device)
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
+        cfg.check_context(max_len)
         num_blocks = self._num_blocks(cfg, max_len)
-        cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.n_heads, cfg.d_head,
+        cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.kv_heads, cfg.d_head,
                         self.dtype, self.device)
         self.runner = ModelRunner(net, cache, self.device)
         # One engine hosts one model: its identity (weights seed/architecture, attention kind,
@@ -85,7 +86,7 @@ class Engine:
         ec = self.config
         if ec.num_kv_blocks is not None:
             return ec.num_kv_blocks
-        per_block = KVCache.bytes_per_block(cfg.n_layers, ec.block_size, cfg.n_heads, cfg.d_head, self.dtype)
+        per_block = KVCache.bytes_per_block(cfg.n_layers, ec.block_size, cfg.kv_heads, cfg.d_head, self.dtype)
         budget = ec.kv_cache_bytes
         if budget is None:
             budget = int(ec.kv_cache_fraction * _free_memory(self.device))

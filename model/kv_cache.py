@@ -8,7 +8,7 @@ A sequence's token at position p lives in block `block_table[p // block_size]`, 
 from __future__ import annotations
 
 import functools
-
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,9 @@ class AttnMetadata:
     decode_context_lens: torch.Tensor | None = None  # (B_d,) long, new token included
     decode_max_context: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # A fused paged decode-attention kernel (see model.attention.DecodeKernel); None: the
+    # reference gather path.
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -52,28 +55,29 @@ class AttnMetadata:
 class KVCache:
     """Block pools for every layer, allocated once, outside `forward`.
 
-    `keys[layer]` and `values[layer]`: (num_blocks, block_size, n_heads, d_head). For additive
+    `keys[layer]` and `values[layer]`: (num_blocks, block_size, n_kv_heads, d_head), so a
+    grouped-query model stores only its K/V heads. For additive
     attention the "keys" are the projected keys W_k k, which is what decoding needs.
     """
 
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_heads: int, d_head: int,
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, d_head: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_blocks, block_size, n_heads, d_head)
+        shape = (num_blocks, block_size, n_kv_heads, d_head)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         # Reused gather destinations (rows = blocks): a fresh multi-MB tensor per layer and step
         # costs a page fault per 4 KiB on the CPU, more than the copy itself.
-        self._work = (torch.empty(0, block_size * n_heads * d_head, dtype=dtype, device=device),) * 2
+        self._work = (torch.empty(0, block_size * n_kv_heads * d_head, dtype=dtype, device=device),) * 2
 
     @staticmethod
-    def bytes_per_block(n_layers: int, block_size: int, n_heads: int, d_head: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, d_head: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layers * block_size * n_heads * d_head * elem
+        return 2 * n_layers * block_size * n_kv_heads * d_head * elem
 
     def update(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write this step's K/V, (T, n_heads, d_head), into their slots."""
+        """Write this step's K/V, (T, n_kv_heads, d_head), into their slots."""
         kc, vc = self.keys[layer], self.values[layer]
         kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)

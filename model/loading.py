@@ -6,10 +6,11 @@ import logging
 import os
 
 import torch
+from torch import nn
 
 from model.config import PRESETS, ModelConfig
+from model.registry import build_model
 from model.tokenizer import Tokenizer, load_tokenizer
-from model.transformer import Transformer
 
 logger = logging.getLogger(__name__)
 
@@ -31,26 +32,41 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" is float32 on CPU and bfloat16 on CUDA."""
+def resolve_dtype(dtype: str, device: torch.device, checkpoint: torch.dtype | None = None) -> torch.dtype:
+    """"auto" is float32 on CPU; on CUDA, the checkpoint's dtype when it is a 16-bit one
+    (`checkpoint`, from `model_dtype`), else bfloat16."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
 
 
-def build_preset(name: str) -> Transformer:
+def model_dtype(model: str) -> torch.dtype | None:
+    """The dtype a checkpoint directory's weights are stored in (None for presets and unknowns)."""
+    if model in PRESETS or not os.path.isdir(model):
+        return None
+    from model.checkpoint import CheckpointError, checkpoint_dtype
+
+    try:
+        return checkpoint_dtype(model)
+    except CheckpointError:
+        return None  # load_weights reports what is wrong with the directory
+
+
+def build_preset(name: str) -> nn.Module:
     """A preset's model with its seeded random weights, in float32 on the CPU."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     cfg = PRESETS[name]
-    model = Transformer(cfg)
+    model = build_model(cfg)
     model.init_weights(cfg.init_seed)
     return model
 
 
-def load_weights(model: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, Transformer, Tokenizer]:
+def load_weights(model: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, nn.Module, Tokenizer]:
     """A preset name or a checkpoint directory -> config, model in eval mode, tokenizer."""
     if model in PRESETS:
         net = build_preset(model).to(device=device, dtype=dtype)

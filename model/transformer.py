@@ -7,7 +7,8 @@ GPT-2's (pre-LayerNorm, learned positions, GELU, final LayerNorm, tied LM head).
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,31 +17,8 @@ from torch import nn
 from model.attention import MultiHeadAttention
 from model.config import ModelConfig
 from model.kv_cache import AttnMetadata, KVCache
-
-
-def sinusoidal_table(max_position: int, d_model: int) -> torch.Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...): (max_position, d_model)."""
-    pos = torch.arange(max_position, dtype=torch.float64)[:, None]
-    inv = torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
-    table = torch.zeros(max_position, d_model, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(pos * inv)
-    table[:, 1::2] = torch.cos(pos * inv[: d_model // 2])
-    return table.float()
-
-
-class FeedForward(nn.Module):
-    """FFN(x) = act(x W1 + b1) W2 + b2: d_model -> d_ff -> d_model."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.gelu = cfg.activation == "gelu_tanh"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        h = F.gelu(h, approximate="tanh") if self.gelu else F.relu(h)
-        return self.proj(h)
+from model.layers import FeedForward, PerDevice, sinusoidal_table
+from model.weight_map import ArchitectureSpec, identity_map
 
 
 class Block(nn.Module):
@@ -73,7 +51,7 @@ class Transformer(nn.Module):
         if cfg.learned_positions:
             self.wpe = nn.Embedding(cfg.max_position, cfg.d_model)
         else:
-            self.register_buffer("pe", sinusoidal_table(cfg.max_position, cfg.d_model), persistent=False)
+            self._pe = PerDevice(sinusoidal_table(cfg.max_position, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.pre_norm else None
 
@@ -82,7 +60,7 @@ class Transformer(nn.Module):
         """tokens, positions: (T,) long -> hidden (T, d_model); without a cache tokens may be
         (B, T) with positions (T,) (training)."""
         x = self.wte(tokens) * self.cfg.embed_scale
-        x = x + (self.wpe(positions) if self.cfg.learned_positions else self.pe[positions].to(x.dtype))
+        x = x + (self.wpe(positions) if self.cfg.learned_positions else self._pe.on(x.device)[positions].to(x.dtype))
         for block in self.blocks:
             x = block(x, meta, cache)
         return self.ln_f(x) if self.ln_f is not None else x
@@ -91,6 +69,11 @@ class Transformer(nn.Module):
         """tokens (B, T) -> logits (B, T, vocab), causal, without a KV cache (training)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.compute_logits(self(tokens, positions, None, None))
+
+    @property
+    def pe(self) -> torch.Tensor:
+        """The sinusoidal position table, (max_position, d_model) float32 on the CPU."""
+        return self._pe.on(torch.device("cpu"))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab) with the output layer tied to the token embedding."""
@@ -114,3 +97,21 @@ class Transformer(nn.Module):
         if ".score." in name:  # additive attention's W_q, W_k, v: keep tanh out of saturation
             return self.cfg.d_head**-0.5
         return 0.02
+
+
+QKV_ARCHITECTURE = "QKVTransformerForCausalLM"
+
+
+def _parse_qkv_config(raw: dict[str, Any], has_tokenizer: bool) -> ModelConfig:
+    """Our config.json: the ModelConfig fields, plus bookkeeping keys that are ignored."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in raw.items() if k in fields})
+
+
+def _qkv_config_json(cfg: ModelConfig) -> dict[str, Any]:
+    return {"architectures": [QKV_ARCHITECTURE], "model_type": "qkv-transformer", **dataclasses.asdict(cfg)}
+
+
+# Our own checkpoints: config.json carries the ModelConfig fields, tensors our parameter names.
+QKV = ArchitectureSpec(parse_config=_parse_qkv_config, name_map=lambda model, _names: identity_map(model),
+                       config_json=_qkv_config_json)

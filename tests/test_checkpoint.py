@@ -141,10 +141,11 @@ def test_missing_config_json(bad_dir: Path) -> None:
 
 def test_unknown_architecture_lists_supported(bad_dir: Path) -> None:
     raw = json.loads((bad_dir / "config.json").read_text())
-    raw["architectures"], raw["model_type"] = ["LlamaForCausalLM"], "llama"
+    raw["architectures"], raw["model_type"] = ["GemmaForCausalLM"], "gemma"
     (bad_dir / "config.json").write_text(json.dumps(raw))
     msg = _error(bad_dir)
-    assert "LlamaForCausalLM" in msg
+    assert "GemmaForCausalLM" in msg
+    assert "LlamaForCausalLM" in msg and "Qwen3ForCausalLM" in msg
     assert all(arch in msg for arch in SUPPORTED_ARCHITECTURES)
 
 

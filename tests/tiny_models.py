@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
-from model.transformer import Transformer
+from torch import nn
 
 EOS_TOKEN = "<|endoftext|>"
 # Enough text for a few hundred BPE merges; any fixed text would do.
@@ -78,15 +78,72 @@ def save_tiny_gpt2(directory: str | Path, n_layer: int = 2, n_head: int = 2, n_e
     return directory
 
 
-def full_logits(model: Transformer, token_ids: list[int] | torch.Tensor, block_size: int = 16) -> torch.Tensor:
+def full_logits(model: nn.Module, token_ids: list[int] | torch.Tensor, block_size: int = 16) -> torch.Tensor:
     """Our model's logits (T, vocab) for one sequence, prefilled in one pass over a fresh cache."""
     tokens = torch.as_tensor(token_ids, dtype=torch.long)
     t = tokens.shape[0]
     cfg = model.cfg
     num_blocks = math.ceil(t / block_size)
-    dtype = model.wte.weight.dtype
-    cache = KVCache(cfg.n_layers, num_blocks, block_size, cfg.n_heads, cfg.d_head, dtype, "cpu")
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.d_head, dtype, "cpu")
     meta = AttnMetadata(slot_mapping=torch.arange(t), prefills=[
         PrefillChunk(start=0, length=t, context_len=t, block_table=torch.arange(num_blocks))])
     with torch.no_grad():
         return model.compute_logits(model(tokens, torch.arange(t), meta, cache))
+
+
+# ---- the Llama family ----------------------------------------------------------------
+
+LLAMA_FAMILY = {  # our short name -> (config class, model class) in transformers
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def build_tiny_llama(arch: str = "llama", seed: int = 0, **overrides):
+    """A random Llama-family `transformers` model (eval mode, fp32, eager attention), the same
+    for one seed. Defaults: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 301, 128 positions,
+    untied head; any config field can be overridden (`num_key_value_heads`, `head_dim`,
+    `tie_word_embeddings`, `rope_scaling`, `sliding_window`, ...).
+
+    Norm weights and biases get noise too (HF initialises them to 1 and 0), so a mix-up of
+    any two tensors changes the logits.
+    """
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, name) for name in LLAMA_FAMILY[arch])
+    fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=301, max_position_embeddings=128, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=0, pad_token_id=None, initializer_range=0.1)
+    if arch in ("mistral", "qwen2", "qwen3"):
+        fields["sliding_window"] = None
+    fields.update(overrides)
+    config = config_cls(**fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def write_tiny_llama(directory: str | Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype | None = None,
+                     max_shard_size: str | None = None, with_tokenizer: bool = True, **overrides) -> Path:
+    """Save `build_tiny_llama(arch, seed, **overrides)` with `save_pretrained` to `directory`.
+
+    `dtype` (e.g. torch.bfloat16) converts the weights before saving; `max_shard_size`
+    (e.g. "20KB") shards them; `with_tokenizer` adds a byte-level BPE `tokenizer.json`
+    whose id 0 is the EOS token (needs vocab_size >= 257).
+    """
+    directory = Path(directory)
+    model = build_tiny_llama(arch, seed, **overrides)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(directory, max_shard_size=max_shard_size or "10GB")
+    if with_tokenizer:
+        build_tokenizer(model.config.vocab_size).save(str(directory / "tokenizer.json"))
+    return directory

@@ -1,0 +1,177 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm).
+
+Pre-RMSNorm blocks, rotary positions, SwiGLU MLP, grouped-query attention over the paged
+cache (K/V stored with `n_kv_heads` heads), tied or untied LM head. Parameter names are HF's
+without the `model.` prefix, so the weight-name map is nearly the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import DotScore, PagedAttention
+from model.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
+from model.kv_cache import AttnMetadata, KVCache
+from model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from model.weight_map import ArchitectureSpec, CheckpointError, TensorSpec, first_eos, identity_map
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, head_dim) each
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v projections (Hq and Hkv heads of head_dim), optional q/k norms, RoPE, paged attention."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.d_head
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
+            self.k_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.attn = PagedAttention(layer, cfg.d_head, DotScore())
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
+        """x (T, d_model) -> (T, d_model)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.d_head)  # (T, Hq, d)
+        k = self.k_proj(x).view(t, self.n_kv, self.d_head)  # (T, Hkv, d)
+        v = self.v_proj(x).view(t, self.n_kv, self.d_head)  # (T, Hkv, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
+        out = self.attn(q, k, v, meta, cache)  # (T, Hq, d)
+        return self.o_proj(out.reshape(t, self.n_heads * self.d_head))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids + positions (flattened over the batch) -> hidden states -> logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                cache: KVCache) -> torch.Tensor:
+        """tokens, positions: (T,) long -> hidden (T, d_model)."""
+        x = self.embed_tokens(tokens)
+        rope = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
+        for layer in self.layers:
+            x = layer(x, rope, meta, cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, d_model) -> (N, vocab)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+
+# ---- config.json and weight names -------------------------------------------------------
+
+DEFAULT_ROPE_TYPES = (None, "default")
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """rope_theta and rope_scaling, from `rope_parameters` (transformers 5) or the older
+    top-level `rope_theta` + `rope_scaling`."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported")
+    if kind in DEFAULT_ROPE_TYPES:
+        return theta, None
+    if kind not in ROPE_SCALING_TYPES:
+        raise CheckpointError(f"rope_scaling type {kind!r} is not supported; supported: default, "
+                              f"{', '.join(ROPE_SCALING_TYPES)}")
+    scaling = RopeScaling(kind=kind, factor=float(params["factor"]),
+                          low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                          high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                          original_max_position=int(params.get("original_max_position_embeddings",
+                                                               raw.get("max_position_embeddings", 8192))))
+    return theta, scaling
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window, or None when every layer sees the whole context
+    (Qwen's `use_sliding_window: false` switches a configured window off)."""
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", True):
+        return None
+    return int(window)
+
+
+def _parser(qkv_bias: bool | None, qk_norm: bool) -> Callable[[dict[str, Any], bool], ModelConfig]:
+    """A config.json parser for one family member; `qkv_bias` None: from `attention_bias`."""
+
+    def parse(raw: dict[str, Any], has_tokenizer: bool) -> ModelConfig:
+        if raw.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"hidden_act must be silu, got {raw['hidden_act']!r}")
+        theta, scaling = _rope(raw)
+        attention_bias = bool(raw.get("attention_bias", False))
+        heads = raw["num_attention_heads"]
+        return ModelConfig(
+            vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_heads=heads,
+            n_layers=raw["num_hidden_layers"], d_ff=raw["intermediate_size"],
+            max_position=raw.get("max_position_embeddings", 2048), arch="llama",
+            layer_norm_eps=raw.get("rms_norm_eps", 1e-6), eos_token_id=first_eos(raw),
+            tokenizer="hf" if has_tokenizer else "byte", n_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
+            qkv_bias=attention_bias if qkv_bias is None else qkv_bias, out_bias=attention_bias and qkv_bias is None,
+            mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=qk_norm,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), sliding_window=_sliding_window(raw))
+
+    return parse
+
+
+def _name_map(model: nn.Module, tensor_names: Collection[str]) -> dict[str, TensorSpec]:
+    """HF keeps the decoder under `model.` and the head as `lm_head.weight`."""
+    names = identity_map(model, prefix="model.")
+    if "lm_head.weight" in names:
+        names["lm_head.weight"] = TensorSpec("lm_head.weight")
+    return names
+
+
+def _skip(cfg: ModelConfig, name: str) -> bool:
+    """Rotary tables some checkpoints saved, and a stored copy of a tied head."""
+    return name.endswith(".rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _spec(qkv_bias: bool | None, qk_norm: bool = False) -> ArchitectureSpec:
+    return ArchitectureSpec(parse_config=_parser(qkv_bias, qk_norm), name_map=_name_map, skip=_skip)
+
+
+LLAMA_FAMILY = {
+    "LlamaForCausalLM": _spec(qkv_bias=None),
+    "MistralForCausalLM": _spec(qkv_bias=None),
+    "Qwen2ForCausalLM": _spec(qkv_bias=True),
+    "Qwen3ForCausalLM": _spec(qkv_bias=None, qk_norm=True),
+}

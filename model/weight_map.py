@@ -1,0 +1,67 @@
+"""What an architecture family tells the checkpoint loader: how to read its `config.json`,
+and where each of our parameters lives among the checkpoint's tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from model.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one of our parameters lives in a checkpoint."""
+
+    name: str  # the checkpoint's tensor name
+    transpose: bool = False  # stored (in, out) by HF's Conv1D; nn.Linear holds (out, in)
+
+
+# The checkpoint's tensors by name -> an object with `get_tensor(name)` (a safetensors handle).
+Handles = dict[str, Any]
+
+
+def _skip_nothing(cfg: ModelConfig, name: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """One `architectures[0]` value: its config parser and weight-name map.
+
+    - `parse_config(raw, has_tokenizer)`: config.json -> ModelConfig; raises CheckpointError.
+    - `name_map(model, tensor_names)`: our parameter name -> TensorSpec in the checkpoint.
+    - `skip(cfg, tensor_name)`: checkpoint tensors that are not loaded (buffers, a tied head).
+    - `verify(model, handles, where)`: checks after loading (e.g. a stored head equals the
+      embedding); raises CheckpointError.
+    - `config_json(cfg)`: the config.json `save_model` writes; None: saving is not supported.
+    """
+
+    parse_config: Callable[[dict[str, Any], bool], ModelConfig]
+    name_map: Callable[[nn.Module, Collection[str]], dict[str, TensorSpec]]
+    skip: Callable[[ModelConfig, str], bool] = _skip_nothing
+    verify: Callable[[nn.Module, Handles, str], None] | None = None
+    config_json: Callable[[ModelConfig], dict[str, Any]] | None = None
+
+
+def identity_map(model: nn.Module, prefix: str = "") -> dict[str, TensorSpec]:
+    """Every parameter stored under its own name (after `prefix`)."""
+    return {ours: TensorSpec(prefix + ours) for ours, _ in model.named_parameters()}
+
+
+def first_eos(raw: dict[str, Any], default: int | None = None) -> int | None:
+    """config.json's eos_token_id: an int, or the first of a list (the full list is the
+    tokenizer's and generation config's business), checked against the vocabulary."""
+    eos = raw.get("eos_token_id", default)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if not isinstance(eos, int) or not 0 <= eos < raw.get("vocab_size", eos + 1):
+        return None
+    return eos
