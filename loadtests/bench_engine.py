@@ -1,6 +1,8 @@
 """Offline engine throughput against HF transformers and against the machine's own bounds.
 
-Everything in one run, on the same random GPT-2-small-shaped weights (124M parameters):
+Everything in one run, on the same random weights: GPT-2-small-shaped (124M parameters,
+the default) or, with `--model qwen2.5-0.5b-shape`, Qwen2.5-0.5B-shaped (494M, GQA 14:2,
+tied head, saved in bf16 by loadtests/random_checkpoint.py):
 - workload: N requests, prompts 32-256 tokens, max_tokens uniform in 16-256, greedy, ignore_eos;
 - baseline: HF `generate()` in static batches of 16 with left padding, each batch running
   to its longest request (how one serves without an engine);
@@ -10,6 +12,9 @@ Everything in one run, on the same random GPT-2-small-shaped weights (124M param
 - roofline: measured matmul GFLOP/s and memory GB/s, and the fraction the engine reaches.
 
     .venv/bin/python loadtests/bench_engine.py [--requests 64] [--out results/bench_engine.json]
+    .venv/bin/python loadtests/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
+
+`--no-extras` runs only the workload (engine and HF) and batch-1 decode.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.loading import build_preset, resolve_device  # noqa: E402
+from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402  (this script's folder)
 
 PRESET = "gpt2-small-random"
 
@@ -75,9 +81,9 @@ def memory_gbs(device: torch.device, mib: int = 512, repeats: int = 10) -> float
 
 def run_hf(path: str, prompts: list[list[int]], max_tokens: list[int], batch: int,
            device: torch.device, dtype: torch.dtype) -> dict:
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
-    model = GPT2LMHeadModel.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     useful, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
         group, limits = prompts[i:i + batch], max_tokens[i:i + batch]
@@ -124,47 +130,72 @@ def decode_rate(llm: LLM, batch: int, vocab: int, steps: int = 32) -> float:
     return batch * steps / secs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/bench_engine.json")
-    args = ap.parse_args()
-    load_at_start = os.getloadavg()[0]
-    device = resolve_device(args.device)
-    dtype = getattr(torch, args.dtype)
-    tmp = tempfile.mkdtemp(prefix="qkv-bench-")
-    save_model(build_preset(PRESET), tmp)
-    llm = LLM(tmp, device=args.device, dtype=args.dtype,
-              engine_config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=3 << 30))
-    cfg = llm.engine.model_config
-    n_params = sum(p.numel() for p in llm.engine.runner.model.parameters())
-    # Bytes a decode step must read: every weight but the position table (rows are gathered).
-    weight_bytes = (n_params - cfg.max_position * cfg.d_model) * torch.empty((), dtype=dtype).element_size()
-    prompts, max_tokens = workload(args.requests, args.seed, cfg.vocab_size)
-    res: dict = {"device": str(device), "dtype": args.dtype, "params": n_params, "requests": args.requests,
-                 "threads": torch.get_num_threads()}
-    res["matmul_gflops"] = matmul_gflops(device, dtype)
-    res["memory_gbs"] = memory_gbs(device)
-    print(f"model {PRESET}: {n_params / 1e6:.1f}M params, {device}, {args.dtype}, {res['threads']} threads")
-    res["engine"] = run_engine(llm, prompts, max_tokens)
-    print(f"engine: {res['engine']['tokens_per_s']:.1f} tok/s")
-    res["hf"] = run_hf(tmp, prompts, max_tokens, args.hf_batch, device, dtype)
-    print(f"hf: {res['hf']['tokens_per_s']:.1f} tok/s")
+def checkpoint(model: str, directory: str) -> None:
+    """The benchmark's weights, written to `directory`: the GPT-2 preset, or a random
+    Llama-family checkpoint of a real model's shape (bf16 on disk)."""
+    if model == PRESET:
+        save_model(build_preset(PRESET), directory)
+    else:
+        write_random_checkpoint(directory, model, torch.bfloat16)
+
+
+def weight_bytes_read(net: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes a decode step must read: every weight but the tables whose rows are gathered
+    (learned positions; the token embedding when the LM head is a separate matrix)."""
+    gathered = {"wpe.weight"} | ({"embed_tokens.weight"} if getattr(net, "lm_head", None) is not None else set())
+    n = sum(p.numel() for name, p in net.named_parameters() if name not in gathered)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def extras(res: dict, llm: LLM, tmp: str, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """The short no-KV-cache comparison and the batch-64 decode rate."""
     short_p, short_m = prompts[:8], [16] * 8
     nocache = LLM(tmp, device=args.device, dtype=args.dtype,
                   engine_config=EngineConfig(enable_kv_cache=False, max_num_batched_tokens=4096, kv_cache_bytes=1 << 30))
     res["engine_short"] = run_engine(llm, short_p, short_m)
     res["engine_no_kv_cache_short"] = run_engine(nocache, short_p, short_m)
     del nocache
+    res["decode_b64_tok_s"] = decode_rate(llm, 64, llm.engine.model_config.vocab_size, steps=16)
+    res["compute_fraction_b64"] = res["decode_b64_tok_s"] * 2 * res["params"] / 1e9 / res["matmul_gflops"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=PRESET, choices=[PRESET, *SHAPES],
+                    help="weights to run: the GPT-2 preset or a random checkpoint of a real model's shape")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-extras", action="store_true", help="skip the no-KV-cache run and batch-64 decode")
+    ap.add_argument("--out", default="results/bench_engine.json")
+    args = ap.parse_args()
+    load_at_start = os.getloadavg()[0]
+    device = resolve_device(args.device)
+    dtype = getattr(torch, args.dtype)
+    tmp = tempfile.mkdtemp(prefix="qkv-bench-")
+    checkpoint(args.model, tmp)
+    llm = LLM(tmp, device=args.device, dtype=args.dtype,
+              engine_config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=3 << 30,
+                                         max_model_len=2048))
+    cfg = llm.engine.model_config
+    net = llm.engine.runner.model
+    n_params = sum(p.numel() for p in net.parameters())
+    prompts, max_tokens = workload(args.requests, args.seed, cfg.vocab_size)
+    res: dict = {"model": args.model, "device": str(device), "dtype": args.dtype, "params": n_params,
+                 "requests": args.requests, "hf_batch": args.hf_batch, "threads": torch.get_num_threads()}
+    res["matmul_gflops"] = matmul_gflops(device, dtype)
+    res["memory_gbs"] = memory_gbs(device)
+    print(f"model {args.model}: {n_params / 1e6:.1f}M params, {device}, {args.dtype}, {res['threads']} threads")
+    res["engine"] = run_engine(llm, prompts, max_tokens)
+    print(f"engine: {res['engine']['tokens_per_s']:.1f} tok/s")
+    res["hf"] = run_hf(tmp, prompts, max_tokens, args.hf_batch, device, dtype)
+    print(f"hf: {res['hf']['tokens_per_s']:.1f} tok/s")
+    if not args.no_extras:
+        extras(res, llm, tmp, args, prompts)
     res["decode_b1_tok_s"] = decode_rate(llm, 1, cfg.vocab_size)
-    res["decode_b64_tok_s"] = decode_rate(llm, 64, cfg.vocab_size, steps=16)
-    flops_per_token = 2 * n_params  # matmul FLOPs per token, attention excluded
-    res["bandwidth_fraction_b1"] = res["decode_b1_tok_s"] * weight_bytes / 1e9 / res["memory_gbs"]
-    res["compute_fraction_b64"] = res["decode_b64_tok_s"] * flops_per_token / 1e9 / res["matmul_gflops"]
+    res["bandwidth_fraction_b1"] = res["decode_b1_tok_s"] * weight_bytes_read(net, dtype) / 1e9 / res["memory_gbs"]
     res["load_average_1m_start_end"] = [load_at_start, os.getloadavg()[0]]  # this machine is shared
     report(res)
     print(f"1-minute load average at start/end: {load_at_start:.2f} / {os.getloadavg()[0]:.2f} (2 cores)")
@@ -176,16 +207,22 @@ def main() -> None:
 def report(r: dict) -> None:
     e, h = r["engine"], r["hf"]
     rows = [
-        ("HF generate, static batches of 16", f"{h['tokens_per_s']:.1f} tok/s", "1.00x"),
+        (f"HF generate, static batches of {r['hf_batch']}", f"{h['tokens_per_s']:.1f} tok/s", "1.00x"),
         ("qkv engine, continuous batching", f"{e['tokens_per_s']:.1f} tok/s", f"{e['tokens_per_s'] / h['tokens_per_s']:.2f}x"),
-        ("engine, short run (8 req x 16 tok)", f"{r['engine_short']['tokens_per_s']:.1f} tok/s", "1.00x"),
-        ("engine, KV cache off, same short run", f"{r['engine_no_kv_cache_short']['tokens_per_s']:.1f} tok/s",
-         f"{r['engine_no_kv_cache_short']['tokens_per_s'] / r['engine_short']['tokens_per_s']:.2f}x"),
-        ("decode, batch 1", f"{r['decode_b1_tok_s']:.1f} tok/s", f"{100 * r['bandwidth_fraction_b1']:.0f}% of bandwidth bound"),
-        ("decode, batch 64", f"{r['decode_b64_tok_s']:.1f} tok/s", f"{100 * r['compute_fraction_b64']:.0f}% of matmul peak"),
-        ("measured matmul peak", f"{r['matmul_gflops']:.1f} GFLOP/s", ""),
-        ("measured copy bandwidth", f"{r['memory_gbs']:.1f} GB/s", ""),
     ]
+    if "engine_short" in r:
+        rows += [
+            ("engine, short run (8 req x 16 tok)", f"{r['engine_short']['tokens_per_s']:.1f} tok/s", "1.00x"),
+            ("engine, KV cache off, same short run", f"{r['engine_no_kv_cache_short']['tokens_per_s']:.1f} tok/s",
+             f"{r['engine_no_kv_cache_short']['tokens_per_s'] / r['engine_short']['tokens_per_s']:.2f}x"),
+        ]
+    rows.append(("decode, batch 1", f"{r['decode_b1_tok_s']:.1f} tok/s",
+                 f"{100 * r['bandwidth_fraction_b1']:.0f}% of bandwidth bound"))
+    if "decode_b64_tok_s" in r:
+        rows.append(("decode, batch 64", f"{r['decode_b64_tok_s']:.1f} tok/s",
+                     f"{100 * r['compute_fraction_b64']:.0f}% of matmul peak"))
+    rows += [("measured matmul peak", f"{r['matmul_gflops']:.1f} GFLOP/s", ""),
+             ("measured copy bandwidth", f"{r['memory_gbs']:.1f} GB/s", "")]
     print(f"\n| {'what':<38} | {'figure':>18} | {'ratio':<26} |")
     print(f"|{'-' * 40}|{'-' * 20}|{'-' * 28}|")
     for what, fig, ratio in rows:
