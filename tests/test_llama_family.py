@@ -17,8 +17,9 @@ import torch
 
 from model import LLM, SamplingParams
 from model.checkpoint import CheckpointError, load_model
-from model.config import EngineConfig
+from model.config import EngineConfig, ModelConfig
 from model.engine import Engine
+from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from tiny_models import full_logits, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -187,3 +188,56 @@ def test_mis_shaped_kv_projection_is_named(llama_dir: Path) -> None:
     with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \[32, 64\], "
                                               r"expected \[64, 64\]"):
         load_model(llama_dir)
+
+
+def test_additive_attention_is_refused_with_gqa_or_rope() -> None:
+    with pytest.raises(ValueError, match="additive attention is only available"):
+        ModelConfig(attention="additive", n_kv_heads=2)
+    with pytest.raises(ValueError, match="additive attention is only available"):
+        ModelConfig(attention="additive", arch="llama")
+
+
+# ---- the decode-kernel seam -----------------------------------------------------------
+
+
+def _loop_kernel(calls: list[int]):
+    """A decode kernel written as a plain loop (GQA by repeating K/V heads), with the fused
+    kernels' signature; counts its calls."""
+
+    def kernel(q, k_cache, v_cache, block_tables, context_lens, scale):
+        calls.append(1)
+        outs = []
+        for b in range(q.shape[0]):
+            n = int(context_lens[b])
+            k = k_cache[block_tables[b]].flatten(0, 1)[:n]  # (n, Hkv, d)
+            v = v_cache[block_tables[b]].flatten(0, 1)[:n]
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (n, Hq, d)
+            probs = (torch.einsum("hd,nhd->hn", q[b], k) * scale).softmax(-1)  # (Hq, n)
+            outs.append(torch.einsum("hn,nhd->hd", probs, v))
+        return torch.stack(outs)  # (B, Hq, d)
+
+    return kernel
+
+
+@torch.no_grad()
+def test_decode_kernel_in_the_metadata_replaces_the_gather_path(tmp_path: Path) -> None:
+    directory = write_tiny_llama(tmp_path, "llama", with_tokenizer=False)
+    cfg, model = load_model(directory)
+    bs, n = 4, 11
+    tokens = torch.randint(0, cfg.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(5))
+    table = torch.tensor([3, 0, 5, 1], dtype=torch.long)  # scattered blocks
+
+    def decode_logits(kernel) -> torch.Tensor:
+        cache = KVCache(cfg.n_layers, 6, bs, cfg.kv_heads, cfg.d_head, torch.float32, "cpu")
+        pos = torch.arange(n)
+        model(tokens[:n], pos, AttnMetadata(slot_mapping=table[pos // bs] * bs + pos % bs,
+                                            prefills=[PrefillChunk(0, n, n, table)]), cache)
+        meta = AttnMetadata(slot_mapping=(table[n // bs] * bs + n % bs).view(1), num_decode=1,
+                            decode_block_tables=table[None], decode_context_lens=torch.tensor([n + 1]),
+                            decode_max_context=n + 1, decode_kernel=kernel)
+        return model.compute_logits(model(tokens[n:], torch.tensor([n]), meta, cache))
+
+    calls: list[int] = []
+    torch.testing.assert_close(decode_logits(_loop_kernel(calls)), decode_logits(None), atol=1e-5, rtol=0)
+    assert len(calls) == cfg.n_layers
