@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from model.config import ModelConfig
 from model.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of, build_model
-from model.weight_map import ArchitectureSpec, CheckpointError, Handles, TensorSpec
+from model.weight_files import INDEX_FILE, WEIGHTS_FILE, TensorIndex, weight_files
+from model.weight_map import ArchitectureSpec, CheckpointError, TensorSpec
 
-__all__ = ["CheckpointError", "SUPPORTED_ARCHITECTURES", "checkpoint_dtype", "load_config", "load_model",
-           "save_model"]
+__all__ = ["CheckpointError", "INDEX_FILE", "SUPPORTED_ARCHITECTURES", "WEIGHTS_FILE", "checkpoint_dtype",
+           "load_config", "load_model", "save_model"]
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 PROGRESS_MIN_BYTES = 100 * 2**20  # show a progress bar for loads above this
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -79,50 +76,16 @@ def checkpoint_dtype(path: str | Path) -> torch.dtype | None:
     return _DTYPE_NAMES.get(str(raw.get("dtype") or raw.get("torch_dtype")))
 
 
-def _weight_files(directory: Path) -> list[Path]:
-    """`model.safetensors`, else the shards that `model.safetensors.index.json` lists."""
-    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
-    if single.is_file():
-        return [single]
-    if not index.is_file():
-        others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
-        found = f" (found {', '.join(others)}: only safetensors weights are read)" if others else ""
-        raise CheckpointError(f"no weights in {directory}: expected {WEIGHTS_FILE} or {INDEX_FILE}{found}")
-    try:
-        weight_map = json.loads(index.read_text("utf-8")).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{index} is not a JSON object with a \"weight_map\": {e}") from e
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index} has no \"weight_map\"")
-    files = [directory / name for name in sorted(set(weight_map.values()))]
-    for file in files:
-        if not file.is_file():
-            raise CheckpointError(f"weight shard {file.name} listed in {index} is missing")
-    return files
-
-
-def _open_tensors(files: list[Path], stack: ExitStack) -> dict[str, Any]:
-    """Tensor name -> the memory-mapped `safe_open` handle of the file holding it."""
-    handles: dict[str, Any] = {}
-    for file in files:
-        handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-        for name in handle.keys():
-            if name in handles:
-                raise CheckpointError(f"tensor {name!r} appears in more than one weight file ({file.name})")
-            handles[name] = handle
-    return handles
-
-
 def _listing(names: list[str], limit: int = 10) -> str:
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
 
-def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, TensorSpec], handles: Handles,
+def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, TensorSpec], index: TensorIndex,
                    directory: Path) -> None:
     """Every expected tensor is there, nothing else is, and every shape matches the config."""
     expected = {t.name for t in names.values()}
-    found = {n for n in handles if not spec.skip(model.cfg, n)}
+    found = {n for n in index if not spec.skip(model.cfg, n)}
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing:
         raise CheckpointError(f"checkpoint {directory} is missing tensors: {_listing(missing)}")
@@ -132,7 +95,7 @@ def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, Te
     for ours, t in names.items():
         want = tuple(params[ours].shape)
         want = want[::-1] if t.transpose else want
-        got = tuple(handles[t.name].get_slice(t.name).get_shape())
+        got = index.shape(t.name)
         if got != want:
             raise CheckpointError(
                 f"tensor {t.name!r} has shape {list(got)}, expected {list(want)} from {CONFIG_FILE} in {directory}"
@@ -140,15 +103,15 @@ def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, Te
 
 
 @torch.no_grad()
-def _copy_weights(model: nn.Module, names: dict[str, TensorSpec], handles: Handles, directory: Path) -> None:
-    """Copy each tensor from the memory map into its parameter, one at a time; `copy_`
-    converts the dtype on the way, so no second full-size copy is ever made."""
+def _copy_weights(model: nn.Module, names: dict[str, TensorSpec], index: TensorIndex, directory: Path) -> None:
+    """Read each tensor and copy it into its parameter, one at a time; `copy_` converts the
+    dtype on the way, so at most one tensor exists twice."""
     params = dict(model.named_parameters())
     total = sum(p.numel() * p.element_size() for p in params.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {directory.name}",
               disable=total < PROGRESS_MIN_BYTES) as bar:
         for ours, t in names.items():
-            tensor = handles[t.name].get_tensor(t.name)
+            tensor = index.get_tensor(t.name)
             params[ours].copy_(tensor.t() if t.transpose else tensor)
             del tensor
             bar.update(params[ours].numel() * params[ours].element_size())
@@ -178,15 +141,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     """
     directory = Path(path)
     cfg, spec = _parse(directory)
-    files = _weight_files(directory)
+    files = weight_files(directory)
     model = _empty_model(cfg, dtype, device).eval()
-    with ExitStack() as stack:
-        handles = _open_tensors(files, stack)
-        names = _name_map(model, spec, handles)
-        _check_tensors(model, spec, names, handles, directory)
-        _copy_weights(model, names, handles, directory)
-        if spec.verify is not None:
-            spec.verify(model, handles, str(directory))
+    index = TensorIndex(files)
+    names = _name_map(model, spec, index)
+    _check_tensors(model, spec, names, index, directory)
+    _copy_weights(model, names, index, directory)
+    if spec.verify is not None:
+        spec.verify(model, index, str(directory))
     logger.info("loaded %s (%s, %d tensors from %d file(s)) as %s on %s",
                 directory, cfg.arch, len(names), len(files), dtype, device)
     return cfg, model

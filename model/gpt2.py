@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.weight_map import ArchitectureSpec, CheckpointError, Handles, TensorSpec
+from model.weight_map import ArchitectureSpec, CheckpointError, TensorSource, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,12 @@ def _skip(cfg: ModelConfig, name: str) -> bool:
     return name.endswith(_BUFFER_SUFFIXES) or name == _LM_HEAD
 
 
-def _verify(model: nn.Module, handles: Handles, where: str) -> None:
+def _verify(model: nn.Module, index: TensorSource, where: str) -> None:
     """A stored LM head must equal the token embedding: only tied heads are supported."""
-    if _LM_HEAD not in handles:
+    if _LM_HEAD not in index:
         return
     wte = model.wte.weight
-    lm_head = handles[_LM_HEAD].get_tensor(_LM_HEAD).to(wte)
+    lm_head = index.get_tensor(_LM_HEAD).to(wte)
     if lm_head.shape != wte.shape or not torch.equal(lm_head, wte):
         raise CheckpointError(f"{_LM_HEAD} in {where} differs from the token embedding: "
                               "only tied LM heads are supported")

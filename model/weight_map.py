@@ -24,8 +24,8 @@ class TensorSpec:
     transpose: bool = False  # stored (in, out) by HF's Conv1D; nn.Linear holds (out, in)
 
 
-# The checkpoint's tensors by name -> an object with `get_tensor(name)` (a safetensors handle).
-Handles = dict[str, Any]
+# A checkpoint's tensors (`model.weight_files.TensorIndex`): `name in index`, `index.get_tensor(name)`.
+TensorSource = Any
 
 
 def _skip_nothing(cfg: ModelConfig, name: str) -> bool:
@@ -39,7 +39,7 @@ class ArchitectureSpec:
     - `parse_config(raw, has_tokenizer)`: config.json -> ModelConfig; raises CheckpointError.
     - `name_map(model, tensor_names)`: our parameter name -> TensorSpec in the checkpoint.
     - `skip(cfg, tensor_name)`: checkpoint tensors that are not loaded (buffers, a tied head).
-    - `verify(model, handles, where)`: checks after loading (e.g. a stored head equals the
+    - `verify(model, index, where)`: checks after loading (e.g. a stored head equals the
       embedding); raises CheckpointError.
     - `config_json(cfg)`: the config.json `save_model` writes; None: saving is not supported.
     """
@@ -47,7 +47,7 @@ class ArchitectureSpec:
     parse_config: Callable[[dict[str, Any], bool], ModelConfig]
     name_map: Callable[[nn.Module, Collection[str]], dict[str, TensorSpec]]
     skip: Callable[[ModelConfig, str], bool] = _skip_nothing
-    verify: Callable[[nn.Module, Handles, str], None] | None = None
+    verify: Callable[[nn.Module, TensorSource, str], None] | None = None
     config_json: Callable[[ModelConfig], dict[str, Any]] | None = None
 
 

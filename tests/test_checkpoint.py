@@ -199,3 +199,24 @@ def test_missing_shard_is_named(tmp_path: Path) -> None:
     shard.unlink()
     msg = _error(directory)
     assert shard.name in msg and "missing" in msg
+
+
+def test_truncated_weights_file_is_named(bad_dir: Path) -> None:
+    file = bad_dir / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    msg = _error(bad_dir)
+    assert "model.safetensors is truncated" in msg
+
+
+def test_weights_file_that_is_not_safetensors(bad_dir: Path) -> None:
+    (bad_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    assert "is not a safetensors file" in _error(bad_dir)
+
+
+def test_bf16_weights_load_exactly_into_float32(tmp_path: Path) -> None:
+    model = _random_gpt2().to(torch.bfloat16)
+    save_model(model, tmp_path)
+    cfg, loaded = load_model(tmp_path, dtype=torch.float32)
+    assert checkpoint.checkpoint_dtype(tmp_path) == torch.bfloat16
+    for (name, a), b in zip(model.named_parameters(), loaded.parameters()):
+        assert b.dtype == torch.float32 and torch.equal(a.float(), b), name
