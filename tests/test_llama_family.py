@@ -241,3 +241,15 @@ def test_decode_kernel_in_the_metadata_replaces_the_gather_path(tmp_path: Path) 
     calls: list[int] = []
     torch.testing.assert_close(decode_logits(_loop_kernel(calls)), decode_logits(None), atol=1e-5, rtol=0)
     assert len(calls) == cfg.n_layers
+
+
+def test_auto_dtype_follows_a_16_bit_checkpoint_on_cuda() -> None:
+    from model.loading import resolve_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_dtype("auto", cuda, torch.float16) == torch.float16
+    assert resolve_dtype("auto", cuda, torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, torch.float32) == torch.bfloat16  # as vLLM: no fp32 serving by default
+    assert resolve_dtype("auto", cuda, None) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
+    assert resolve_dtype("float16", cpu, torch.bfloat16) == torch.float16
