@@ -21,6 +21,7 @@ from model.sampling import SamplingRow
 from model.sampling_params import SamplingParams
 from model.scheduler import ScheduledSeq, Scheduler
 from model.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
+from model.structured import GrammarConstraint, StructuredOutputs
 from model.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class _Request:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     times: RequestTimes
+    # Structured output: lives as long as the request, so preemption (which recomputes the
+    # same tokens, never re-samples them) leaves it in step with output_token_ids.
+    constraint: GrammarConstraint | None = None
 
 
 class Engine:
@@ -77,6 +81,8 @@ class Engine:
                                    recompute_all=not self.config.enable_kv_cache)
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
                                    self.config.block_size, max_len, self.tokenizer.eos_token_id)
+        eos = self.tokenizer.eos_token_id
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, [] if eos is None else [eos])
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model, self.runtime.device,
@@ -102,15 +108,18 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError for an id in use, a request that fails
-        `model.request_checks.check_request` (a `RequestError` naming the parameter), or one
-        needing more KV blocks than the pool has."""
+        `model.request_checks.check_request` (a `RequestError` naming the parameter), one
+        needing more KV blocks than the pool has, or a structured-output constraint that does not
+        compile. Compiling is slow the first time: callers that must not stall the step call
+        `self.structured.prepare([params])` on another thread first."""
         self._validate(request_id, prompt_token_ids, params)
+        constraint = self.structured.constraint(params)
         seq = Sequence(request_id, list(prompt_token_ids), params)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
-                                              RequestTimes(arrival=arrival_time or time.monotonic()))
+                                              RequestTimes(arrival=arrival_time or time.monotonic()), constraint)
         self.scheduler.add(seq)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -168,8 +177,9 @@ class Engine:
             suppress = list(p.stop_token_ids)
             if self.tokenizer.eos_token_id is not None:
                 suppress.append(self.tokenizer.eos_token_id)
-        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids,
-                           self._requests[seq.request_id].generator, suppress)
+        req = self._requests[seq.request_id]
+        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, req.generator, suppress,
+                           [req.constraint] if req.constraint is not None else [])
 
     def _append_token(self, s: ScheduledSeq, tok: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
         seq = s.seq
@@ -179,7 +189,12 @@ class Engine:
         req.times.last_token = now
         p = seq.params
         reason, stop_reason, text = None, None, ""
-        if tok == self.tokenizer.eos_token_id and not p.ignore_eos:
+        if req.constraint is not None and not req.constraint.accept(tok):
+            logger.error("request %s: token %d breaks its grammar; ending it", seq.request_id, tok)
+            reason = "stop"
+        elif req.constraint is not None and req.constraint.is_terminated:
+            reason = "stop"  # the structure is complete (its stop token was sampled)
+        elif tok == self.tokenizer.eos_token_id and not p.ignore_eos:
             reason = "stop"
         elif tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok

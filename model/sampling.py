@@ -2,12 +2,15 @@
 applied to the whole batch's logits at once.
 
 Requests with a seed draw from their own `torch.Generator`, so the same seed gives the
-same sample whatever else is in the batch.
+same sample whatever else is in the batch. A row may carry logits processors (e.g. a
+structured-output grammar mask): they change that row's logits in place before anything else;
+rows without one pay nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +27,8 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # set when params.seed is set
     suppress_ids: list[int]  # e.g. eos while fewer than min_tokens have been generated
+    # Each changes this row's logits (V,) in place, first of all (e.g. a grammar's token mask).
+    logits_processors: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -67,6 +72,18 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def _suppress(row_logits: torch.Tensor, row: SamplingRow) -> None:
+    """Forbid `row.suppress_ids` (V,) in place, unless a logits processor left nothing else:
+    a grammar whose structure is complete allows only eos, and it wins over min_tokens."""
+    if not row.logits_processors:
+        row_logits[row.suppress_ids] = float("-inf")
+        return
+    kept = row_logits[row.suppress_ids].clone()
+    row_logits[row.suppress_ids] = float("-inf")
+    if bool(torch.isneginf(row_logits).all()):
+        row_logits[row.suppress_ids] = kept
+
+
 def _sample_rows(probs: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> dict[int, int]:
     out: dict[int, int] = {}
     shared = [i for i in idx if rows[i].generator is None]
@@ -82,13 +99,16 @@ def _sample_rows(probs: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits (B, V) -> one token id per row, and its logprobs where the row asked for them."""
     logits = logits.float()
+    for i, r in enumerate(rows):
+        for process in r.logits_processors:
+            process(logits[i])
     if any(r.params.needs_penalties for r in rows):
         logits = apply_penalties(logits, rows)
     if any(r.params.logit_bias for r in rows):
         logits = apply_logit_bias(logits, rows)
     for i, r in enumerate(rows):
         if r.suppress_ids:
-            logits[i, r.suppress_ids] = float("-inf")
+            _suppress(logits[i], r)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     tokens: dict[int, int] = {}

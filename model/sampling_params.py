@@ -5,8 +5,10 @@ Plain dataclass with no torch import, so the scheduler and the HTTP layer can us
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # Below this temperature sampling is greedy: logits / temperature would overflow float32
@@ -58,6 +60,19 @@ _SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "
 _OPTIONAL = frozenset({"seed", "logprobs"})  # None: not set
 
 
+STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """One structured-output constraint as text: what `model/structured.py` compiles and
+    caches. `kind` is "json" (a JSON schema), "json_object", "regex", "choice" (a JSON
+    array of the allowed strings) or "grammar" (EBNF)."""
+
+    kind: str
+    text: str
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters of one request. `temperature=0` (or below 1e-5) is greedy.
@@ -79,6 +94,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Structured outputs (at most one): the output is constrained while decoding to a JSON
+    # schema (dict or JSON text), a regex (full match), one of `choice`, an EBNF grammar, or
+    # any JSON object. Checked for syntax when the engine compiles them (ValueError).
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +126,40 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"give at most one structured-output constraint, got {', '.join(given)}")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            raise ValueError(f"json_schema must be a dict or a JSON string, got {type(self.json_schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
+
+    @property
+    def structured(self) -> StructuredSpec | None:
+        """The structured-output constraint, if any, in its canonical text form."""
+        if self.json_schema is not None:
+            # Key order is kept: properties are generated in the schema's order.
+            text = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            return StructuredSpec("json", text)
+        if self.regex is not None:
+            return StructuredSpec("regex", self.regex)
+        if self.choice is not None:
+            return StructuredSpec("choice", json.dumps(list(self.choice), ensure_ascii=False))
+        if self.grammar is not None:
+            return StructuredSpec("grammar", self.grammar)
+        if self.json_object:
+            return StructuredSpec("json_object", "")
+        return None
 
     @property
     def greedy(self) -> bool:
