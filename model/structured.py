@@ -32,6 +32,7 @@ _JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
 _ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 # Compact JSON (", " and ": " separators, no free whitespace): a model cannot stall in a run
 # of spaces and newlines.
+_REGEX_SPECIAL = frozenset("\\.^$*+?{}[]|()/")
 _JSON_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 
 
@@ -39,6 +40,10 @@ def _xgr() -> Any:
     import xgrammar  # lazy: an engine that never sees a constraint does not load it
 
     return xgrammar
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
 
 
 def _clean(exc: Exception) -> str:
@@ -65,9 +70,9 @@ def build_grammar(spec: StructuredSpec) -> Any:
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "choice":
-            # EBNF string literals take JSON's escapes.
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec.text))
-            return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+            # A regex, not EBNF literals: xgrammar 0.2.9 mis-matches EBNF literals with non-ASCII
+            # characters in alternatives ("größer" | "x"), its regexes do not.
+            return xgr.Grammar.from_regex("(" + "|".join(_regex_literal(c) for c in json.loads(spec.text)) + ")")
         return xgr.Grammar.from_ebnf(spec.text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{field} is not valid JSON: {exc}") from None
