@@ -95,6 +95,12 @@ class EngineDeployment:
         """Stream the deltas of `requests` (the choices of one HTTP request) as they come out
         of the steps; several steps are merged when the caller reads slower than they come.
         An `EngineFailure` is the last item when the requests cannot go on."""
+        if any(r.params.structured is not None for r in requests):
+            try:  # compiled (or found cached) here, off the step thread, so the batch never waits for it
+                await asyncio.to_thread(self._engine.structured.prepare, [r.params for r in requests])
+            except ValueError as exc:
+                yield EngineFailure(400, str(exc))
+                return
         sink = self._loop.submit(requests)
         pending = {r.request_id for r in requests}
         last_token_time: dict[str, float | None] = dict.fromkeys(pending)

@@ -63,6 +63,59 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
+class JsonSchemaSpec(_Request):
+    """`response_format.json_schema` (OpenAI)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: Annotated[str, Field(max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format.json_schema is required when type is "json_schema"')
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar (EBNF)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar; got "
+                             f"{', '.join(given) or 'none'}")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        if self.json_ is not None:
+            return {"json_schema": self.json_}
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.choice is not None:
+            return {"choice": list(self.choice)}
+        return {"grammar": self.grammar}
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM's extensions)."""
 
@@ -94,6 +147,9 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
+    # Structured outputs (see model/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator(*UNSUPPORTED, mode="plain")
     @classmethod
@@ -153,6 +209,25 @@ class _SamplingFields(_Request):
         """Top-N logprobs per generated token (None: no logprobs)."""
         return None
 
+    def constraint(self) -> tuple[str, dict[str, Any]] | None:
+        """The structured-output constraint as (the field it came from, SamplingParams keyword
+        arguments), or None. Raises ValueError, naming the field first, when two fields each ask for one."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+            found.append(("response_format", {"json_schema": fmt.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.sampling_kwargs()))
+        found.extend(self._tool_constraint())
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]} and {found[0][0]} both constrain the output; give only one")
+        return found[0] if found else None
+
+    def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
+        return []
+
     def to_sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """Decoding parameters of choice `choice`, generating at most `max_tokens` (the
         serving layer resolves the request's value or the default against the context). A seed
@@ -176,6 +251,7 @@ class _SamplingFields(_Request):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            **(constraint[1] if (constraint := self.constraint()) else {}),
         )
 
 
@@ -291,6 +367,39 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+class FunctionSpec(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """What a forced call (`tool_choice: "required"`) must be: {"name": ..., "arguments": {...}}
+    for one of `tools`."""
+    return {"anyOf": [{"type": "object",
+                       "properties": {"name": {"const": t.function.name},
+                                      "arguments": t.function.parameters or _NO_PARAMETERS},
+                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+
+
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
 
@@ -304,6 +413,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Any = None
     audio: Any = None
     modalities: Any = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator(*UNSUPPORTED_CHAT, mode="plain")
     @classmethod
@@ -316,6 +428,51 @@ class ChatCompletionRequest(_SamplingFields):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _one_call(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("parallel_tool_calls: true is not supported (one tool call per choice); "
+                             "send false or leave it out")
+        return value
+
+    @field_validator("tool_choice", mode="plain")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        # Plain validation keeps union member names out of error locations.
+        if isinstance(choice, dict):
+            try:
+                choice = NamedToolChoice.model_validate(choice)
+            except ValidationError:
+                raise ValueError('a named tool_choice must be {"type": "function", "function": {"name": <string>}}'
+                                 ) from None
+        elif choice is not None and choice not in ("none", "auto", "required"):
+            raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}')
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools "
+                             f"({', '.join(names) or 'none given'})")
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs at least one tool in tools')
+        return choice
+
+    @property
+    def forced_tool(self) -> str | None:
+        """"required", or the name of the function that must be called; None when the model
+        answers in text ("none", "auto" or no tools)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
+    def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
+        forced = self.forced_tool
+        if forced is None:
+            return []
+        if forced == "required":
+            return [("tools", {"json_schema": tool_call_schema(self.tools or [])})]
+        tool = next(t for t in self.tools or [] if t.function.name == forced)
+        return [("tools", {"json_schema": tool.function.parameters or _NO_PARAMETERS})]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -346,4 +503,5 @@ class DetokenizeRequest(_Request):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
-SAMPLING_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "top_logprobs"}
+SAMPLING_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {
+    "max_completion_tokens", "top_logprobs", "response_format", "structured_outputs", "tools"}

@@ -7,6 +7,7 @@ Plain dicts in the shapes of the OpenAI API (`text_completion`, `chat.completion
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,13 +115,37 @@ class CompletionFormat:
                 "choices": body, "usage": usage_}
 
 
-class ChatFormat:
-    """Bodies of `/v1/chat/completions`."""
+def tool_call_message(text: str, finish_reason: str | None, forced_tool: str) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish reason of a choice whose output was constrained to a
+    tool call (`forced_tool`: "required", output {"name", "arguments"}, or the function's name,
+    output its arguments). A call cut short (length, stop string) stays text."""
+    try:
+        value = json.loads(text) if finish_reason == "stop" else None
+    except ValueError:
+        value = None
+    if value is None or (forced_tool == "required" and not isinstance(value, dict)):
+        return {"role": "assistant", "content": text}, finish_reason
+    if forced_tool == "required":
+        name, arguments = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+    else:
+        name, arguments = forced_tool, text
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
 
-    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, logprobs: int | None) -> None:
+
+class ChatFormat:
+    """Bodies of `/v1/chat/completions`. With `forced_tool` ("required" or a function name)
+    each choice's text is a tool call: streamed chunks hold it back and the last one carries
+    it whole as `delta.tool_calls`."""
+
+    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, logprobs: int | None,
+                 forced_tool: str | None = None) -> None:
         self.request_id, self.model, self.created = request_id, model, created
         self._tokens = _TokenText(tokenizer)
         self._want_logprobs = logprobs is not None
+        self._forced_tool = forced_tool
+        self._held: dict[int, str] = {}  # tool-call text streamed so far, by choice index
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw = self._tokens.bytes(token_id)
@@ -143,7 +168,24 @@ class ChatFormat:
 
     def chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
               offset: int = 0) -> dict[str, Any]:
+        if self._forced_tool is not None:
+            return self._tool_chunk(index, text, lps, finish_reason)
         delta = {"content": text} if text or finish_reason is None else {}
+        return self._chunk([{"index": index, "delta": delta, "logprobs": self._logprobs(lps),
+                             "finish_reason": finish_reason}])
+
+    def _tool_chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None) -> dict[str, Any]:
+        held = self._held.get(index, "") + text
+        delta: dict[str, Any] = {}
+        if finish_reason is None:
+            self._held[index] = held
+        else:
+            self._held.pop(index, None)
+            message, finish_reason = tool_call_message(held, finish_reason, self._forced_tool or "")
+            if message.get("tool_calls"):
+                delta = {"tool_calls": [{"index": 0} | call for call in message["tool_calls"]]}
+            elif held:
+                delta = {"content": held}
         return self._chunk([{"index": index, "delta": delta, "logprobs": self._logprobs(lps),
                              "finish_reason": finish_reason}])
 
@@ -151,7 +193,12 @@ class ChatFormat:
         return self._chunk([]) | {"usage": usage_}
 
     def response(self, choices: list[ChoiceState], prefixes: list[str], usage_: dict[str, int]) -> dict[str, Any]:
-        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason} for c in choices]
+        body = []
+        for c in choices:
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if self._forced_tool is not None:
+                message, reason = tool_call_message(c.text, c.finish_reason, self._forced_tool)
+            body.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                         "finish_reason": reason})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": body, "usage": usage_}

@@ -20,7 +20,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from model.request_checks import RequestError, check_request, check_token_ids
+from model.sampling_params import SamplingParams
 from model.sequence import RequestOutput
+from model.structured import check_structured
 from service.chat import ChatTemplate
 from service.engine_deployment import ModelInfo
 from service.engine_loop import EngineFailure, SubRequest
@@ -172,6 +174,8 @@ class OpenAIServing:
             except ValueError as exc:
                 raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
             subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params) for j, params in enumerate(choices))
+        if subs:
+            _check_constraint(req, subs[0].params)
         return subs
 
     # ---- endpoints ----------------------------------------------------------------------
@@ -196,7 +200,7 @@ class OpenAIServing:
         prompts = [self.token_ids(text, param="messages")]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
-                         req.logprobs_count())
+                         req.logprobs_count(), forced_tool=req.forced_tool)
         return await self._generate(request_id, prompts, req, fmt, [""] * req.n)
 
     async def _generate(self, request_id: str, prompts: list[list[int]],
@@ -271,6 +275,16 @@ class OpenAIServing:
             choice.add(out)
         text = "".join(out.new_text for out in outs)
         return fmt.chunk(choice.index, text, choice.logprobs[lps_before:], choice.finish_reason, offset)
+
+
+def _check_constraint(req: CompletionRequest | ChatCompletionRequest, params: SamplingParams) -> None:
+    """A schema, regex or grammar that does not compile is a 400 naming its field, before
+    anything is queued (tokenizer-independent, cached by text; the engine compiles for real)."""
+    try:
+        check_structured(params)
+    except ValueError as exc:
+        field = (req.constraint() or ("response_format", {}))[0]
+        raise APIError(f"{field}: {exc}", param=field) from None
 
 
 def _group(batch: list[RequestOutput], index_of: dict[str, int]) -> dict[int, list[RequestOutput]]:

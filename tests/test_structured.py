@@ -14,7 +14,7 @@ from model import LLM, SamplingParams
 from model.config import EngineConfig
 from model.sampling_params import StructuredSpec
 from model.structured import build_grammar
-from service.local import write_tiny_checkpoint
+from local_serve import write_tiny_checkpoint
 from tiny_models import save_tiny_gpt2
 
 SEEDS = range(16)
