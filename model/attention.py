@@ -31,7 +31,13 @@ ADDITIVE_CHUNK_ELEMS = 1 << 22
 
 
 class DotScore(nn.Module):
-    """Scaled dot-product scoring; holds no parameters."""
+    """Scaled dot-product scoring; holds no parameters.
+
+    `scaled=False` drops the 1/sqrt(d_k) (the paper's ablation, for experiments only)."""
+
+    def __init__(self, d_head: int, scaled: bool = True) -> None:
+        super().__init__()
+        self.scale = d_head**-0.5 if scaled else 1.0
 
     def project_keys(self, k: torch.Tensor) -> torch.Tensor:
         return k
@@ -48,10 +54,9 @@ class DotScore(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if causal_offset is not None:
             if causal_offset == 0 and mask is None:
-                # SDPA scales by 1/sqrt(d_k) itself.
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
             mask = causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
 
 
 def causal_mask(lq: int, s: int, offset: int, device: torch.device) -> torch.Tensor:
@@ -103,7 +108,7 @@ class PagedAttention:
 
     def __init__(self, layer: int, d_head: int, score: DotScore | AdditiveScore) -> None:
         self.layer = layer
-        self.scale = d_head**-0.5
+        self.scale = score.scale if isinstance(score, DotScore) else d_head**-0.5
         self.score = score
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata,
@@ -151,7 +156,8 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.out = nn.Linear(cfg.d_model, cfg.d_model)
         self.score: DotScore | AdditiveScore = (
-            AdditiveScore(cfg.n_heads, cfg.d_head) if cfg.attention == "additive" else DotScore()
+            AdditiveScore(cfg.n_heads, cfg.d_head) if cfg.attention == "additive"
+            else DotScore(cfg.d_head, cfg.scale_scores)
         )
         self.attn = PagedAttention(layer, cfg.d_head, self.score)
 

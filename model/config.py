@@ -63,6 +63,8 @@ class ModelConfig:
     eos_token_id: int | None = BYTE_EOS_ID
     tokenizer: Literal["byte", "hf"] = "byte"
     init_seed: int = 0
+    # False drops attention's 1/sqrt(d_k): the paper's ablation, for training experiments only.
+    scale_scores: bool = True
     # Llama family only (the defaults leave the paper's Transformer and GPT-2 as they are).
     n_kv_heads: int | None = None  # grouped-query attention; None: one KV head per query head
     head_dim: int | None = None  # None: d_model / n_heads

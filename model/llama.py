@@ -37,7 +37,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
             self.k_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = PagedAttention(layer, cfg.d_head, DotScore())
+        self.attn = PagedAttention(layer, cfg.d_head, DotScore(cfg.d_head))
 
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
         """x (T, d_model) -> (T, d_model)."""

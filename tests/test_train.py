@@ -98,3 +98,20 @@ def test_clean_drops_paths_addresses_and_the_environment() -> None:
 def test_build_includes_the_project_documents() -> None:
     _text, manifest = build([], REPO)
     assert manifest["project_docs"] == ["README.md", "docs/operations.md"]
+
+
+def test_unscaled_dot_attention_only_drops_one_over_sqrt_dk() -> None:
+    """The ablation of loadtests/attention_claims.py: scores are q.k instead of q.k / sqrt(d_k)."""
+    from model.attention import DotScore
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=gen) for _ in range(3))
+    unscaled = DotScore(16, scaled=False).attend(q, k, v, causal_offset=0)
+    torch.testing.assert_close(unscaled, DotScore(16).attend(q * 4.0, k, v, causal_offset=0))
+    net = Transformer(TINY.replace(scale_scores=False))
+    net.init_weights(0)
+    ref = Transformer(TINY)
+    ref.init_weights(0)
+    tokens = torch.randint(0, 256, (1, 8), generator=gen)
+    with torch.no_grad():
+        assert not torch.allclose(net.forward_train(tokens), ref.forward_train(tokens))
