@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "QKV_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, probes)
 HEALTH_TIMEOUT_S = 5.0
+# An oversized body is read and discarded up to this size before the 413 (see `read_model`).
+MAX_DRAIN_BYTES = 64 << 20
 _Model = TypeVar("_Model", bound=BaseModel)
 
 
@@ -93,17 +95,28 @@ class HeaderLimitMiddleware:
 
 
 async def read_model(request: Request, model: type[_Model], max_bytes: int) -> _Model:
-    """The body parsed into `model`: 413 past `max_bytes`, 400 for malformed or invalid JSON."""
+    """The body parsed into `model`: 413 past `max_bytes`, 400 for malformed or invalid JSON.
+
+    An oversized body is still read to its end (discarded, up to `MAX_DRAIN_BYTES`) before the
+    413 goes out: a client that writes its whole body before reading (Python's urllib) would
+    otherwise see the server close a connection with unread data in it, which is a TCP reset,
+    and never read the 413.
+    """
     declared = request.headers.get("content-length", "")
     too_large = APIError(f"The request body exceeds the limit of {max_bytes} bytes.", 413,
                          code="request_too_large")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
+    if declared.isdigit() and int(declared) > MAX_DRAIN_BYTES:
+        raise too_large  # too much to read for nothing: the client may see a reset
     body = bytearray()
+    seen = 0
     async for chunk in request.stream():  # counted as it arrives: Content-Length may be absent or wrong
-        body += chunk
-        if len(body) > max_bytes:
+        seen += len(chunk)
+        if seen > MAX_DRAIN_BYTES:
             raise too_large
+        if seen <= max_bytes:
+            body += chunk
+    if seen > max_bytes or (declared.isdigit() and int(declared) > max_bytes):
+        raise too_large
     try:
         return model.model_validate_json(bytes(body))
     except ValidationError as exc:

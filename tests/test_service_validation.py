@@ -4,6 +4,8 @@ and the service stays healthy. A real Ray Serve on loopback with a tiny checkpoi
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,6 +182,28 @@ def test_body_too_large(http: httpx.Client) -> None:
         yield json.dumps(_cmpl(prompt="a" * MAX_BODY)).encode()
 
     _check_error(http.post("/v1/completions", content=chunks()), 413, None, str(MAX_BODY))
+
+
+BIG_BODY = 20 << 20  # far over MAX_BODY, and over what socket buffers absorb
+
+
+def test_a_client_that_writes_the_whole_body_before_reading_gets_the_413(http: httpx.Client) -> None:
+    """urllib writes all of a 20 MB body before it reads anything: the server must still let it
+    read the 413 (it used to see a connection reset)."""
+    body = json.dumps(_cmpl(prompt="a" * BIG_BODY)).encode()
+    request = urllib.request.Request(str(http.base_url).rstrip("/") + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 413
+    error = json.loads(err.value.read())["error"]
+    assert str(MAX_BODY) in error["message"] and error["code"] == "request_too_large"
+    # httpx (and its streaming upload without Content-Length) get it as well.
+    _check_error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}),
+                 413, None, str(MAX_BODY))
+    _check_error(http.post("/v1/completions", content=iter([body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)])),
+                 413, None, str(MAX_BODY))
+    assert http.get("/health").status_code == 200
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:
