@@ -121,6 +121,8 @@ class PagedAttention:
         for chunk in meta.prefills:
             sl = slice(chunk.start, chunk.start + chunk.length)
             out[sl] = self._prefill(q[sl], chunk.block_table, chunk.context_len, cache)
+        if meta.capture is not None:  # an attention request's recompute (model/attention_maps.py)
+            meta.capture.record(self, q, meta, cache)
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.attention_maps import capture_attention
+from model.attention_spec import AttentionShape, check_attention
 from model.block_manager import BlockManager, blocks_for
 from model.config import EngineConfig, ModelConfig, RuntimeInfo
 from model.kv_cache import KVCache
@@ -72,6 +74,7 @@ class Engine:
         cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.kv_heads, cfg.d_head,
                         self.dtype, self.device)
         self.runner = ModelRunner(net, cache, self.device)
+        self.attention_shape = AttentionShape.of(cfg)
         # One engine hosts one model: its identity (weights seed/architecture, attention kind,
         # dtype) salts every block hash, since the cached K/V are a function of all of them.
         salt = f"{model}|{cfg!r}|{self.dtype}".encode()
@@ -126,6 +129,8 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(prompt, params, self.model_config.vocab_size, self.runtime.max_model_len)
+        if params.attention is not None:
+            check_attention(params.attention, self.attention_shape, len(prompt))
         need = blocks_for(len(prompt) + params.max_tokens, self.config.block_size)
         if need > self.runtime.num_kv_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has {self.runtime.num_kv_blocks}")
@@ -212,6 +217,10 @@ class Engine:
         self.scheduler.finish(seq, reason)
         out = self._final(req, text, [tok], [lp] if lp else [], [now])
         out.stop_reason = stop_reason
+        if p.attention is not None:  # the explicit recompute, for this request only
+            keep = seq.num_prompt_tokens + p.attention.max_tokens
+            out.attention = capture_attention(self.runner.model, self.attention_shape, seq.token_ids[:keep],
+                                              p.attention, self.config.block_size)
         return out
 
     def _delta(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,9 @@ class AttnMetadata:
     # A fused paged decode-attention kernel (see model.attention.DecodeKernel); None: the
     # reference gather path.
     decode_kernel: Callable[..., torch.Tensor] | None = None
+    # An attention-weights capture (model.attention_maps.AttentionCapture), set only for the
+    # explicit recompute of an attention request; None in every serving step.
+    capture: Any = None
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor:

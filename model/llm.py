@@ -6,6 +6,10 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
+from model.attention_maps import AttentionMaps
+from model.attention_spec import AttentionSpec
 from model.config import EngineConfig
 from model.engine import Engine
 from model.sampling_params import SamplingParams
@@ -72,3 +76,31 @@ class LLM:
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
         return [outs[r] for r in order]
+
+    def attention(self, prompt: str | list[int], layers: Seq[int] | None = None, heads: Seq[int] | None = None,
+                  rows: str | Seq[int] = "all", max_tokens: int = 0, scale: str = "sqrt_dk") -> torch.Tensor:
+        """Attention weights (layers, heads, rows, keys) of `prompt` (and of `max_tokens` greedy
+        tokens generated after it): row r holds softmax over keys 0..r, keys after it are 0.
+        `layers`/`heads` default to all, `rows` is "all", "last" or query positions."""
+        return self.attention_maps(prompt, layers, heads, rows, max_tokens, scale).weights
+
+    def attention_maps(self, prompt: str | list[int], layers: Seq[int] | None = None,
+                       heads: Seq[int] | None = None, rows: str | Seq[int] = "all", max_tokens: int = 0,
+                       scale: str = "sqrt_dk") -> AttentionMaps:
+        """`attention` with its bookkeeping: token ids, the layers/heads/rows returned, and per
+        (layer, head) the pre-softmax score std and mean row entropy."""
+        spec = AttentionSpec(None if layers is None else tuple(layers), None if heads is None else tuple(heads),
+                             rows if isinstance(rows, str) else tuple(rows), max_tokens, scale)
+        # At least one token is generated so the request is scheduled like any other; only
+        # `max_tokens` of them join the captured sequence.
+        params = SamplingParams(max_tokens=max(1, max_tokens), temperature=0.0, attention=spec)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        rid = f"llm-{next(self._ids)}"
+        self.engine.add_request(rid, ids, params)
+        maps = None
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                if delta.request_id == rid and delta.finished:
+                    maps = delta.attention
+        assert maps is not None
+        return maps

@@ -102,6 +102,9 @@ class SamplingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # An attention request (model.attention_spec.AttentionSpec): when it finishes, the engine
+    # returns the per-head attention weights of its tokens with the output.
+    attention: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

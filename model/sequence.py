@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from model.sampling_params import SamplingParams
 
@@ -50,6 +51,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    attention: Any = None  # model.attention_maps.AttentionMaps of a finished attention request
 
 
 @dataclass
