@@ -1,7 +1,8 @@
 """Model and engine configuration: frozen dataclasses and the named presets.
 
 Values discovered at run time (number of KV blocks, device, dtype) live in
-`RuntimeInfo`, never patched into these configs.
+`RuntimeInfo`, never patched into these configs. Special tokens (EOS, BOS) are the
+tokenizer's (`model.tokenizer`), the one place they come from.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ class ModelConfig:
     attention: AttentionKind = "dot"
     arch: Arch = "transformer"
     layer_norm_eps: float = 1e-5
-    eos_token_id: int | None = BYTE_EOS_ID
     tokenizer: Literal["byte", "hf"] = "byte"
     init_seed: int = 0
     # False drops attention's 1/sqrt(d_k): the paper's ablation, for training experiments only.
@@ -139,7 +139,7 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-2 small shape (124M parameters), random weights: benchmarks only.
     "gpt2-small-random": ModelConfig(
         vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
-        max_position=1024, arch="gpt2", eos_token_id=50256, tokenizer="byte",
+        max_position=1024, arch="gpt2", tokenizer="byte",
     ),
 }
 
@@ -188,4 +188,3 @@ class RuntimeInfo:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
-    eos_token_id: int | None

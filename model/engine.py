@@ -60,13 +60,15 @@ class Engine:
     """Hosts one model, its paged KV cache and the scheduler; batches every in-flight request."""
 
     def __init__(self, model: str = "transformer-base", engine_config: EngineConfig | None = None,
-                 device: str = "auto", dtype: str = "auto", seed: int = 0) -> None:
+                 device: str = "auto", dtype: str = "auto", seed: int = 0, revision: str | None = None) -> None:
+        """`model`: a preset, a checkpoint directory or an HF hub id (at `revision`)."""
         self.config = engine_config or EngineConfig()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(model))
         torch.manual_seed(seed)
         self.model_name = model
-        self.model_config, net, self.tokenizer = load_weights(model, self.dtype, self.device)
+        self.model_config, net, self.tokenizer, self.generation_config = load_weights(
+            model, self.dtype, self.device, revision)
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
         cfg.check_context(max_len)
@@ -83,9 +85,9 @@ class Engine:
         self.scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    recompute_all=not self.config.enable_kv_cache)
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
-                                   self.config.block_size, max_len, self.tokenizer.eos_token_id)
-        eos = self.tokenizer.eos_token_id
-        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, [] if eos is None else [eos])
+                                   self.config.block_size, max_len)
+        self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(self.tokenizer.eos_token_ids))
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model, self.runtime.device,
@@ -179,9 +181,7 @@ class Engine:
         p = seq.params
         suppress: list[int] = []
         if len(seq.output_token_ids) < p.min_tokens:
-            suppress = list(p.stop_token_ids)
-            if self.tokenizer.eos_token_id is not None:
-                suppress.append(self.tokenizer.eos_token_id)
+            suppress = list(p.stop_token_ids) + sorted(self._eos_ids)
         req = self._requests[seq.request_id]
         return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, req.generator, suppress,
                            [req.constraint] if req.constraint is not None else [])
@@ -199,7 +199,7 @@ class Engine:
             reason = "stop"
         elif req.constraint is not None and req.constraint.is_terminated:
             reason = "stop"  # the structure is complete (its stop token was sampled)
-        elif tok == self.tokenizer.eos_token_id and not p.ignore_eos:
+        elif tok in self._eos_ids and not p.ignore_eos:
             reason = "stop"
         elif tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok

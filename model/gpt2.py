@@ -55,16 +55,10 @@ def parse_gpt2_config(raw: dict[str, Any], has_tokenizer: bool) -> ModelConfig:
         if raw.get(flag, allowed) != allowed:
             raise CheckpointError(f"{flag} must be {allowed} for GPT-2 checkpoints, got {raw[flag]!r}")
     d_model, vocab = raw.get("n_embd", 768), raw.get("vocab_size", 50257)
-    eos = raw.get("eos_token_id", 50256)
-    if isinstance(eos, list):  # some configs list several end tokens
-        eos = eos[0] if eos else None
-    if eos is not None and not 0 <= eos < vocab:
-        logger.warning("eos_token_id %s is outside the vocabulary (%d tokens): ignored", eos, vocab)
-        eos = None
     return ModelConfig(
         vocab_size=vocab, d_model=d_model, n_heads=raw.get("n_head", 12), n_layers=raw.get("n_layer", 12),
         d_ff=raw.get("n_inner") or 4 * d_model, max_position=raw.get("n_positions", 1024), attention="dot",
-        arch="gpt2", layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5), eos_token_id=eos,
+        arch="gpt2", layer_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
         tokenizer="hf" if has_tokenizer else "byte",
     )
 
@@ -91,7 +85,7 @@ def gpt2_config_json(cfg: ModelConfig) -> dict[str, Any]:
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_positions": cfg.max_position, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
         "n_inner": cfg.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
-        "bos_token_id": cfg.eos_token_id, "eos_token_id": cfg.eos_token_id, "tie_word_embeddings": True,
+        "tie_word_embeddings": True,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
     }
 

@@ -18,7 +18,7 @@ from model.attention import DotScore, PagedAttention
 from model.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from model.kv_cache import AttnMetadata, KVCache
 from model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from model.weight_map import ArchitectureSpec, CheckpointError, TensorSpec, first_eos, identity_map
+from model.weight_map import ArchitectureSpec, CheckpointError, TensorSpec, identity_map
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, head_dim) each
 
@@ -142,7 +142,7 @@ def _parser(qkv_bias: bool | None, qk_norm: bool) -> Callable[[dict[str, Any], b
             vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_heads=heads,
             n_layers=raw["num_hidden_layers"], d_ff=raw["intermediate_size"],
             max_position=raw.get("max_position_embeddings", 2048), arch="llama",
-            layer_norm_eps=raw.get("rms_norm_eps", 1e-6), eos_token_id=first_eos(raw),
+            layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
             tokenizer="hf" if has_tokenizer else "byte", n_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
             qkv_bias=attention_bias if qkv_bias is None else qkv_bias, out_bias=attention_bias and qkv_bias is None,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from model.config import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
+from model.generation_config import load_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +24,28 @@ _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What the engine and the HTTP edge need from a tokenizer."""
+    """What the engine and the HTTP edge need from a tokenizer.
+
+    The tokenizer is the one source of a model's special tokens: `eos_token_ids` are all the
+    ids that end generation (the tokenizer's own EOS first, then those of the checkpoint's
+    generation config), `eos_token_id` is the first of them; `bos_token` / `eos_token` are
+    the strings chat templates see (None when the tokenizer has none).
+    """
 
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    bos_token: str | None
+    eos_token: str | None
     chat_template: str | None
 
-    def encode(self, text: str) -> list[int]: ...
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` runs the tokenizer's post-processor
+        (e.g. Llama 3's BOS), as `transformers` does."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -43,22 +59,42 @@ def _check_id(token_id: int, vocab_size: int) -> None:
         raise ValueError(f"token id {token_id} is out of range: allowed 0..{vocab_size - 1}")
 
 
+def _eos_ids(own: int | None, extra: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+    """The tokenizer's EOS then the generation config's, without repeats; ids outside the
+    vocabulary are dropped (with a warning): they could never be generated."""
+    ids = []
+    for i in dict.fromkeys(([] if own is None else [own]) + list(extra)):
+        if 0 <= i < vocab_size:
+            ids.append(i)
+        else:
+            logger.warning("eos_token_id %d is outside the vocabulary (%d tokens): ignored", i, vocab_size)
+    return tuple(ids)
+
+
 class ByteTokenizer:
     """Ids 0..255 are UTF-8 bytes, 256 is `<eos>`, 257 is `<pad>`; larger ids (padding of a
-    bigger embedding) stand for nothing."""
+    bigger embedding) stand for nothing. `<eos>` has no text form: templates see no eos_token."""
 
-    eos_token_id: int | None = BYTE_EOS_ID
     pad_token_id: int = BYTE_PAD_ID
+    bos_token_id: int | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
     chat_template: str | None = None
 
-    def __init__(self, vocab_size: int = BYTE_VOCAB_SIZE) -> None:
+    def __init__(self, vocab_size: int = BYTE_VOCAB_SIZE, extra_eos_ids: tuple[int, ...] = ()) -> None:
+        """`extra_eos_ids`: more ids that end generation (a checkpoint's generation config)."""
         if vocab_size < BYTE_VOCAB_SIZE:
             raise ValueError(
                 f"tokenizer vocabulary ({BYTE_VOCAB_SIZE}) is larger than the model's embedding ({vocab_size})"
             )
         self.vocab_size = vocab_size
+        self.eos_token_ids = _eos_ids(BYTE_EOS_ID, extra_eos_ids, vocab_size)
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -93,8 +129,9 @@ def _decoder_types(decoder: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` through the `tokenizers` library, with eos and chat template from
-    `tokenizer_config.json` / `config.json` in the same directory."""
+    """A `tokenizer.json` through the `tokenizers` library, with the special tokens and chat
+    template of `tokenizer_config.json` (or `special_tokens_map.json`) and the EOS ids of the
+    generation config (`generation_config.json`, else `config.json`) in the same directory."""
 
     def __init__(self, path: str | Path, model_vocab_size: int | None = None) -> None:
         """`model_vocab_size`: the model's embedding size when it is padded beyond the
@@ -110,7 +147,15 @@ class HFTokenizer:
         # Ids, not the entry count, bound the embedding: added tokens may leave gaps.
         self.vocab_size = max(vocab.values()) + 1
         tok_config = _read_json(directory / "tokenizer_config.json")
-        self.eos_token_id = self._find_eos(tok_config, _read_json(directory / "config.json"))
+        special_map = _read_json(directory / "special_tokens_map.json")
+        self.bos_token = _special_token(tok_config, special_map, "bos_token")
+        self.eos_token = _special_token(tok_config, special_map, "eos_token")
+        generation = load_generation_config(directory)
+        self.bos_token_id = self._token_id(self.bos_token)
+        if self.bos_token_id is None:
+            self.bos_token_id = generation.bos_token_id
+        self.eos_token_ids = _eos_ids(self._token_id(self.eos_token), generation.eos_token_ids,
+                                      max(self.vocab_size, model_vocab_size or 0))
         self.chat_template = _find_chat_template(directory, tok_config)
         self._id_bytes = self._build_id_bytes(vocab, json.loads(file.read_text("utf-8")).get("decoder"))
         self._num_real_ids = self.vocab_size
@@ -118,8 +163,12 @@ class HFTokenizer:
             self._id_bytes += [b""] * (model_vocab_size - self.vocab_size)
             self.vocab_size = model_vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         for i in ids:
@@ -131,16 +180,8 @@ class HFTokenizer:
         _check_id(token_id, self.vocab_size)
         return self._id_bytes[token_id]
 
-    def _find_eos(self, tok_config: dict[str, Any], model_config: dict[str, Any]) -> int | None:
-        eos = tok_config.get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
-            return self._tok.token_to_id(eos)
-        eos_id = model_config.get("eos_token_id")
-        if isinstance(eos_id, list):  # some configs list several end tokens
-            eos_id = eos_id[0] if eos_id else None
-        return eos_id if isinstance(eos_id, int) else None
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
 
     def _build_id_bytes(self, vocab: dict[str, int], decoder: dict[str, Any] | None) -> list[bytes]:
         """Precompute every token's bytes so streaming never asks the tokenizer again."""
@@ -176,6 +217,17 @@ def _read_json(file: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _special_token(tok_config: dict[str, Any], special_map: dict[str, Any], name: str) -> str | None:
+    """A special token's string (`"</s>"` or `{"content": "</s>", ...}`), as transformers reads it."""
+    for source in (tok_config, special_map):
+        token = source.get(name)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            return token
+    return None
+
+
 def _find_chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     """tokenizer_config.json's "chat_template" (a string, or a list of named templates), else
     the separate `chat_template.jinja` that newer transformers versions write."""
@@ -190,7 +242,8 @@ def _find_chat_template(directory: Path, tok_config: dict[str, Any]) -> str | No
 
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
-    """The checkpoint's `tokenizer.json` when there is one, else the byte tokenizer.
+    """The checkpoint's `tokenizer.json` when there is one, else the byte tokenizer; either
+    way with the EOS ids of the checkpoint's generation config.
 
     `vocab_size` is the model's embedding size; a tokenizer that can produce ids beyond it
     is refused.
@@ -202,7 +255,7 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
                 f"tokenizer vocabulary ({tokenizer.vocab_size}) is larger than the model's embedding ({vocab_size})"
             )
         return tokenizer
-    return ByteTokenizer(vocab_size)
+    return ByteTokenizer(vocab_size, load_generation_config(model_dir).eos_token_ids)
 
 
 class IncrementalDetokenizer:

@@ -54,14 +54,3 @@ class ArchitectureSpec:
 def identity_map(model: nn.Module, prefix: str = "") -> dict[str, TensorSpec]:
     """Every parameter stored under its own name (after `prefix`)."""
     return {ours: TensorSpec(prefix + ours) for ours, _ in model.named_parameters()}
-
-
-def first_eos(raw: dict[str, Any], default: int | None = None) -> int | None:
-    """config.json's eos_token_id: an int, or the first of a list (the full list is the
-    tokenizer's and generation config's business), checked against the vocabulary."""
-    eos = raw.get("eos_token_id", default)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if not isinstance(eos, int) or not 0 <= eos < raw.get("vocab_size", eos + 1):
-        return None
-    return eos

@@ -46,7 +46,7 @@ def test_preset_round_trip_is_exact(preset: str, tmp_path: Path) -> None:
 def _random_gpt2() -> Transformer:
     """Our gpt2 arch with every parameter random (biases and LayerNorms included)."""
     cfg = ModelConfig(vocab_size=301, d_model=64, n_heads=4, n_layers=2, d_ff=192, max_position=64,
-                      arch="gpt2", eos_token_id=0)
+                      arch="gpt2")
     model = Transformer(cfg).eval()
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():

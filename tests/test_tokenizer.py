@@ -199,7 +199,7 @@ def test_hf_eos_from_config_json(bpe_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
     tok = HFTokenizer(tmp_path)
-    assert tok.eos_token_id == 0 and tok.chat_template is None
+    assert tok.eos_token_ids == (0, 5) and tok.eos_token_id == 0 and tok.chat_template is None
 
 
 def test_load_tokenizer(bpe_dir: Path, tmp_path: Path) -> None:
