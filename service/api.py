@@ -161,12 +161,21 @@ def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) ->
             return await serving.chat(await read_model(request, ChatCompletionRequest, limit))
         return await respond(work())
 
+    def model_card() -> dict[str, Any]:
+        info = serving.info
+        return {"id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
+                "max_model_len": info.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        info = serving.info
-        return JSONResponse({"object": "list", "data": [{
-            "id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
-            "max_model_len": info.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_by_id(model_id: str) -> Response:
+        async def work() -> Any:
+            serving.check_model(model_id)
+            return model_card()
+        return await respond(work())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -175,7 +184,7 @@ def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) ->
             serving.check_model(req.model)
             text = req.prompt if req.messages is None else serving.chat_template.render(
                 req.messages, req.add_generation_prompt)
-            tokens = serving.tokenizer.encode(text)
+            tokens = serving.tokenizer.encode(text, add_special_tokens=req.messages is None)
             return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.info.max_model_len}
         return await respond(work())
 

@@ -11,11 +11,18 @@ The template is the checkpoint tokenizer's `chat_template` (from `tokenizer_conf
 
 chosen because it is widely known and marks roles unambiguously; the byte-level presets see
 it as plain text.
+
+Templates render as `transformers`' `apply_chat_template` renders them (the same Jinja2
+options, `loopcontrols`, `tojson`, `strftime_now`, `raise_exception`, the tokenizer's
+`bos_token` / `eos_token` strings), and the text is then tokenized without the tokenizer's
+post-processor (`add_special_tokens=False`), so a BOS the template writes is not added twice.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
@@ -40,11 +47,24 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # transformers' filter: Jinja's own escapes HTML characters, which changes the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)  # Llama 3.x templates write today's date into the system prompt
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
     # Sandboxed: a checkpoint's template is data from elsewhere and must not reach Python internals.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
 
 

@@ -19,6 +19,7 @@ import torch
 from ray import serve
 
 from model.config import EngineConfig
+from model.generation_config import GenerationConfig
 from model.sequence import RequestOutput
 from service.engine_loop import EngineFailure, EngineLoop, SubRequest
 from service.metrics import EngineMetrics
@@ -35,10 +36,10 @@ class ModelInfo:
     served_model_name: str
     max_model_len: int
     vocab_size: int  # the embedding's size: valid token ids are below it
-    eos_token_id: int | None
     num_kv_blocks: int
     block_size: int
-    tokenizer: Any  # model.tokenizer.Tokenizer; picklable, so the ingress tokenizes itself
+    tokenizer: Any  # model.tokenizer.Tokenizer (and the special tokens); picklable, so the ingress tokenizes itself
+    generation_config: GenerationConfig  # sampling defaults for fields a request does not set
 
 
 @serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
@@ -55,6 +56,7 @@ class EngineDeployment:
         seed: int = 0,
         torch_threads: int | None = None,
         engine_wrapper: Callable[[Any], Any] | None = None,
+        revision: str | None = None,
     ) -> None:
         from model.engine import Engine  # heavy import; keeps this module importable without it
 
@@ -65,7 +67,7 @@ class EngineDeployment:
         config = EngineConfig(**engine_config)
         # Building the model is long synchronous work: keep the replica's event loop responsive.
         self._engine = await asyncio.to_thread(
-            Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed
+            Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed, revision=revision
         )
         if engine_wrapper is not None:  # tests only (a callable: no config can set it)
             self._engine = engine_wrapper(self._engine)
@@ -85,10 +87,10 @@ class EngineDeployment:
             served_model_name=self._served_model_name,
             max_model_len=runtime.max_model_len,
             vocab_size=self._engine.model_config.vocab_size,
-            eos_token_id=runtime.eos_token_id,
             num_kv_blocks=runtime.num_kv_blocks,
             block_size=runtime.block_size,
             tokenizer=self._engine.tokenizer,
+            generation_config=self._engine.generation_config,
         )
 
     async def generate(self, requests: list[SubRequest]) -> AsyncIterator[list[RequestOutput] | EngineFailure]:

@@ -130,8 +130,9 @@ class OpenAIServing:
         self._handle = engine_handle.options(stream=True)
         self._overload = overload
         self._timeout_s = request_timeout_s  # None: no deadline
-        eos = info.tokenizer.decode([info.eos_token_id]) if info.eos_token_id is not None else ""
-        self.chat_template = ChatTemplate(getattr(info.tokenizer, "chat_template", None), eos_token=eos)
+        tok = info.tokenizer
+        self.chat_template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token or "",
+                                          eos_token=tok.eos_token or "")
 
     # ---- checks -----------------------------------------------------------------------
 
@@ -142,8 +143,9 @@ class OpenAIServing:
                            f"'{self.info.served_model_name}'.", 404, "invalid_request_error", "model",
                            "model_not_found")
 
-    def token_ids(self, prompt: Prompt, param: str = "prompt") -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def token_ids(self, prompt: Prompt, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; a chat prompt passes add_special_tokens=False: its template writes them."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         try:
             check_token_ids(ids, self.info.vocab_size, param)
         except RequestError as exc:
@@ -168,7 +170,10 @@ class OpenAIServing:
         subs = []
         for i, ids in enumerate(prompts):
             try:
-                choices = [req.to_sampling_params(self._max_tokens(len(ids), req), choice=j) for j in range(req.n)]
+                max_tokens = self._max_tokens(len(ids), req)
+                # generation_config.json's defaults fill the fields the request did not send
+                choices = [self.info.generation_config.apply_defaults(req.to_sampling_params(max_tokens, choice=j),
+                                                                      req.model_fields_set) for j in range(req.n)]
                 # The engine runs the same check; here it is a 400 before anything is queued.
                 check_request(ids, choices[0], self.info.vocab_size, self.info.max_model_len, param)
             except ValueError as exc:
@@ -197,7 +202,7 @@ class OpenAIServing:
         """`/v1/chat/completions`: the messages through the chat template, then as completions."""
         self.check_model(req.model)
         text = self.chat_template.render(req.messages, req.add_generation_prompt)
-        prompts = [self.token_ids(text, param="messages")]
+        prompts = [self.token_ids(text, param="messages", add_special_tokens=False)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
                          req.logprobs_count(), forced_tool=req.forced_tool)

@@ -1,0 +1,58 @@
+"""The real HTTP ingress (`service.api.build_api` over `OpenAIServing`) in front of a stand-in
+engine handle, for tests of what the edge does (tokenizing, chat templates, defaults, routes)
+without Ray: every engine call is recorded and answered with one finished token per request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from model.generation_config import GenerationConfig
+from model.sequence import RequestOutput, RequestTimes
+from service.api import IngressSettings, build_api
+from service.engine_deployment import ModelInfo
+from service.engine_loop import SubRequest
+from service.serving import OpenAIServing, OverloadPolicy
+
+
+class _Call:
+    """One streaming handle call: a single batch in which every request finishes."""
+
+    def __init__(self, requests: list[SubRequest]) -> None:
+        self._items = [[RequestOutput(r.request_id, [0], "", True, "length", len(r.prompt_token_ids), 1,
+                                      RequestTimes(arrival=0.0)) for r in requests]]
+
+    async def __anext__(self) -> list[RequestOutput]:
+        if not self._items:
+            raise StopAsyncIteration
+        return self._items.pop(0)
+
+    def cancel(self) -> None:
+        self._items = []
+
+
+class StubEngine:
+    """Stands in for the engine deployment's handle; `calls` holds each call's SubRequests."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[SubRequest]] = []
+        self.generate = self
+
+    def options(self, **_: Any) -> "StubEngine":
+        return self
+
+    def remote(self, requests: list[SubRequest]) -> _Call:
+        self.calls.append(requests)
+        return _Call(requests)
+
+
+def stub_ingress(tokenizer: Any, name: str = "tiny", generation_config: GenerationConfig | None = None,
+                 max_model_len: int = 256) -> tuple[TestClient, StubEngine, OpenAIServing]:
+    """A test client of the ingress serving `name` with `tokenizer`; the stub engine records calls."""
+    engine = StubEngine()
+    info = ModelInfo(served_model_name=name, max_model_len=max_model_len, vocab_size=tokenizer.vocab_size,
+                     num_kv_blocks=64, block_size=16, tokenizer=tokenizer,
+                     generation_config=generation_config or GenerationConfig())
+    serving = OpenAIServing(info, engine, OverloadPolicy())
+    return TestClient(build_api(serving, engine, IngressSettings())), engine, serving
