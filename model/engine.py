@@ -16,7 +16,7 @@ from model.attention_spec import AttentionShape, check_attention
 from model.block_manager import BlockManager, blocks_for
 from model.config import EngineConfig, ModelConfig, RuntimeInfo
 from model.kv_cache import KVCache
-from model.loading import load_weights, model_dtype, resolve_device, resolve_dtype
+from model.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.request_checks import check_request
 from model.runner import ModelRunner
 from model.sampling import SamplingRow
@@ -64,11 +64,12 @@ class Engine:
         """`model`: a preset, a checkpoint directory or an HF hub id (at `revision`)."""
         self.config = engine_config or EngineConfig()
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device, model_dtype(model))
+        source = resolve_model(model, revision)  # a preset, or the checkpoint directory (a hub id's snapshot)
+        self.dtype = resolve_dtype(dtype, self.device, model_dtype(source))
         torch.manual_seed(seed)
         self.model_name = model
-        self.model_config, net, self.tokenizer, self.generation_config = load_weights(
-            model, self.dtype, self.device, revision)
+        self.model_config, net, self.tokenizer, self.generation_config = load_weights(source, self.dtype,
+                                                                                      self.device)
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
         cfg.check_context(max_len)

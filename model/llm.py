@@ -30,24 +30,33 @@ class CompletionOutput:
 class LLM:
     """A model and an engine, for batch generation in-process.
 
-    `model` is a preset name (`transformer-base`, `transformer-base-additive`, ...) or a
-    checkpoint directory.
+    `model` is a preset name (`transformer-base`, `transformer-base-additive`, ...), a
+    checkpoint directory, or an HF hub id (`org/name` at `revision`, from the Hugging Face
+    cache or downloaded into it; a local directory of the same name wins).
     """
 
     def __init__(self, model: str = "transformer-base", device: str = "auto", dtype: str = "auto",
-                 seed: int = 0, engine_config: EngineConfig | None = None) -> None:
-        self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed)
+                 seed: int = 0, engine_config: EngineConfig | None = None, revision: str | None = None) -> None:
+        self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed, revision=revision)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the checkpoint's `generation_config.json` defaults
+        (temperature, top_p, top_k, repetition_penalty) applied: what `generate` uses when it
+        is given no params. Explicit `SamplingParams` are used as they are, as in vLLM;
+        to start from the defaults, change a copy of these."""
+        return self.engine.generation_config.default_sampling_params()
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[CompletionOutput]:
         """Generate for every prompt (a string or a list of token ids); `params` is one
-        `SamplingParams` for all prompts or one per prompt. Outputs come in prompt order."""
+        `SamplingParams` for all prompts or one per prompt (None: `get_default_sampling_params()`).
+        Outputs come in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         outs: dict[str, CompletionOutput] = {}

@@ -1,4 +1,4 @@
-"""Where a model comes from (a named preset or a checkpoint directory) and where it runs."""
+"""Where a model comes from (a named preset, a checkpoint directory or an HF hub id) and where it runs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from model.config import PRESETS, ModelConfig
+from model.generation_config import GenerationConfig, load_generation_config
+from model.hub import resolve_model_dir
 from model.registry import build_model
 from model.tokenizer import Tokenizer, load_tokenizer
 
@@ -66,18 +68,32 @@ def build_preset(name: str) -> nn.Module:
     return model
 
 
-def load_weights(model: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, nn.Module, Tokenizer]:
-    """A preset name or a checkpoint directory -> config, model in eval mode, tokenizer."""
+def resolve_model(model: str, revision: str | None = None) -> str:
+    """A preset name as it is; a checkpoint directory or an HF hub id (at `revision`, see
+    `model.hub`) -> the checkpoint directory. Raises ValueError for anything else."""
+    if model in PRESETS:
+        return model
+    directory = resolve_model_dir(model, revision)
+    if directory is None:
+        raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), a checkpoint directory or an HF hub "
+                         f"id (org/name); {model!r} is none of these")
+    return directory
+
+
+def load_weights(model: str, dtype: torch.dtype, device: torch.device, revision: str | None = None,
+                 ) -> tuple[ModelConfig, nn.Module, Tokenizer, GenerationConfig]:
+    """A preset name, a checkpoint directory or an HF hub id (see `resolve_model`) -> config,
+    model in eval mode, tokenizer, generation config."""
+    model = resolve_model(model, revision)
     if model in PRESETS:
         net = build_preset(model).to(device=device, dtype=dtype)
         cfg = net.cfg
         tokenizer = load_tokenizer(None, cfg.vocab_size)
-    elif os.path.isdir(model):
+        generation = GenerationConfig()
+    else:
         from model.checkpoint import load_model
 
         cfg, net = load_model(model, dtype=dtype, device=str(device))
         tokenizer = load_tokenizer(model, cfg.vocab_size)
-    else:
-        raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a checkpoint directory; "
-                         f"{model!r} is neither")
-    return cfg, net.eval(), tokenizer
+        generation = load_generation_config(model)
+    return cfg, net.eval(), tokenizer, generation

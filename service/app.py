@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from model.config import PRESETS, EngineConfig
+from model.hub import is_hub_id
 from service.api import API_KEY_ENV, IngressSettings, OpenAIIngress
 from service.engine_deployment import EngineDeployment
 
@@ -33,8 +34,9 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = "transformer-base"  # a preset name or a checkpoint directory
-    served_model_name: str | None = None  # the `model` clients send; default: preset or directory name
+    model: str = "transformer-base"  # a preset name, a checkpoint directory or an HF hub id (org/name)
+    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
+    served_model_name: str | None = None  # the `model` clients send; default: preset, hub id or directory name
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"  # auto: one GPU per replica if the cluster has GPUs
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None  # replaces num_replicas when given
@@ -75,7 +77,9 @@ class AppArgs(BaseModel):
     def resolved_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return self.model if self.model in PRESETS else Path(self.model.rstrip("/")).name
+        if self.model in PRESETS or (is_hub_id(self.model) and not os.path.isdir(self.model)):
+            return self.model  # as vLLM names a hub model: "org/name"
+        return Path(self.model.rstrip("/")).name
 
 
 def use_gpu(accelerator: str) -> bool:
@@ -123,6 +127,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         seed=args.seed,
         torch_threads=args.torch_threads or (None if gpu else max(1, int(args.engine_num_cpus))),
         engine_wrapper=engine_wrapper,
+        revision=args.revision,
     )
     settings = IngressSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
