@@ -4,7 +4,7 @@
 The architecture (`config.json`'s `architectures[0]`) picks a spec from `model.registry`:
 its config parser and its weight-name map (our parameter name -> the checkpoint's tensor).
 Weights are copied tensor by tensor into a model allocated once at the target dtype, so
-loading a bf16 checkpoint into float32 holds about one float32 copy of the model, not two.
+loading a bf16 checkpoint into float32 peaks near one float32 copy of the model plus one tensor.
 The tokenizer (`tokenizer.json`) is read by `model.tokenizer.load_tokenizer`.
 """
 
