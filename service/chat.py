@@ -82,8 +82,10 @@ class ChatTemplate:
             self.source, self.is_default = DEFAULT_CHAT_TEMPLATE, True
             self._template = _compile(DEFAULT_CHAT_TEMPLATE)
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`; a template that refuses them is a 400 on `messages`."""
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for `messages`; a template that refuses them is a 400 on `messages`.
+        `tools` (OpenAI tool definitions) go to the template as HF templates expect them."""
         plain: list[dict[str, Any]] = [{"role": m.role, "content": m.text} | ({"name": m.name} if m.name else {})
                                        for m in messages]
         try:
@@ -92,6 +94,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
+                tools=tools,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None

@@ -201,7 +201,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the messages through the chat template, then as completions."""
         self.check_model(req.model)
-        text = self.chat_template.render(req.messages, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        text = self.chat_template.render(req.messages, req.add_generation_prompt, tools)
         prompts = [self.token_ids(text, param="messages", add_special_tokens=False)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,

@@ -134,6 +134,16 @@ def test_auto_and_none_answer_in_text(client: openai.OpenAI) -> None:
         assert out.choices[0].message.tool_calls in (None, []) and out.choices[0].finish_reason in ("stop", "length")
 
 
+def test_tools_reach_a_chat_template_that_uses_them() -> None:
+    from service.chat import ChatTemplate
+    from service.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS[:1]})
+    template = ChatTemplate("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    assert template.render(req.messages, True, tools) == "[get_weather]" + MESSAGES[0]["content"]
+
+
 @pytest.mark.parametrize("body, param, text", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format", "nope"),
