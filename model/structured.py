@@ -31,9 +31,9 @@ logger = logging.getLogger(__name__)
 _LAX_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
 _ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+_REGEX_SPECIAL = frozenset("\\.^$*+?{}[]|()/")
 # Compact JSON (", " and ": " separators, no free whitespace): a model cannot stall in a run
 # of spaces and newlines.
-_REGEX_SPECIAL = frozenset("\\.^$*+?{}[]|()/")
 _JSON_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 
 
@@ -77,7 +77,7 @@ def build_grammar(spec: StructuredSpec) -> Any:
         return xgr.Grammar.from_ebnf(spec.text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{field} is not valid JSON: {exc}") from None
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse and conversion errors
         raise ValueError(f"invalid {field}: {_clean(exc)}") from None
 
 
