@@ -19,7 +19,7 @@ from typing import Any, Literal
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from model.config import PRESETS, EngineConfig
 from model.hub import is_hub_id
@@ -49,6 +49,9 @@ class AppArgs(BaseModel):
     kv_cache_bytes: int | None = Field(None, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
+    prefix_aware_routing: bool = True  # with prefix caching: a shared prefix goes to the replica holding it
+    routing_imbalance_threshold: int = Field(8, ge=0)  # ...unless it has this many more requests than the least busy
     # admission: requests in flight per engine replica, and queued per caller beyond that
     max_ongoing_requests: int | None = Field(None, ge=1)  # default: max_num_seqs + a quarter of it
     max_queued_requests: int = Field(256, ge=-1)
@@ -67,7 +70,8 @@ class AppArgs(BaseModel):
 
     def engine_config(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                                              "kv_cache_bytes", "num_kv_blocks", "max_model_len")}
+                                              "kv_cache_bytes", "num_kv_blocks", "max_model_len",
+                                              "enable_prefix_caching")}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between
@@ -94,6 +98,15 @@ def use_gpu(accelerator: str) -> bool:
     return torch.cuda.is_available()
 
 
+def router_options(args: AppArgs) -> dict[str, Any]:
+    """Deployment options for the engine: the prefix-aware request router (service/router.py)."""
+    if not (args.enable_prefix_caching and args.prefix_aware_routing):
+        return {}
+    kwargs = {"block_size": args.block_size, "imbalance_threshold": args.routing_imbalance_threshold}
+    return {"request_router_config": RequestRouterConfig(request_router_class="service.router.PrefixAwareRouter",
+                                                         request_router_kwargs=kwargs)}
+
+
 def build_app(args: AppArgs) -> serve.Application:
     """The application: `OpenAIIngress` in front of `EngineDeployment`."""
     if not isinstance(args, AppArgs):  # called directly with a dict
@@ -118,6 +131,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         max_queued_requests=args.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=args.overload_status, retry_after_s=args.retry_after_s),
         **scaling,
+        **router_options(args),
     ).bind(
         model=args.model,
         served_model_name=args.resolved_name(),

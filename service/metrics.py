@@ -43,13 +43,18 @@ class EngineMetrics:
         self.success = Counter("qkv_request_success_total", "Finished requests by finish reason.",
                                _MODEL + ("finished_reason",))
         self.preemptions = Counter("qkv_num_preemptions_total", "Sequences preempted to free KV blocks.", _MODEL)
+        self.prefix_queries = Counter("qkv_prefix_cache_queries_total",
+                                      "Prompt tokens looked up in the prefix cache.", _MODEL)
+        self.prefix_hits = Counter("qkv_prefix_cache_hits_total",
+                                   "Prompt tokens found in the prefix cache (their K/V not recomputed).", _MODEL)
         self.running = Gauge("qkv_num_requests_running", "Requests in the running batch.", _MODEL)
         self.waiting = Gauge("qkv_num_requests_waiting", "Requests waiting to be scheduled.", _MODEL)
         self.kv_usage = Gauge("qkv_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", _MODEL)
         for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
-                       self.success, self.preemptions, self.running, self.waiting, self.kv_usage):
+                       self.success, self.preemptions, self.running, self.waiting, self.kv_usage,
+                       self.prefix_queries, self.prefix_hits):
             metric.set_default_tags(dict(tags))
-        self._preemptions_seen = 0
+        self._seen = {"num_preemptions_total": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def observe(self, out: RequestOutput, last_token_time: float | None) -> float | None:
         """Record one output delta; returns the time of its last token, which the caller passes
@@ -87,7 +92,10 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        total = stats.num_preemptions_total
-        if total > self._preemptions_seen:
-            self.preemptions.inc(total - self._preemptions_seen)
-        self._preemptions_seen = total
+        # The engine keeps running totals; the counters get what was added since the last refresh.
+        for name, counter in (("num_preemptions_total", self.preemptions),
+                              ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+            total = getattr(stats, name)
+            if total > self._seen[name]:
+                counter.inc(total - self._seen[name])
+            self._seen[name] = total

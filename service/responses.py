@@ -26,6 +26,7 @@ class ChoiceState:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_chars: int = 0  # len(text), kept so streaming never re-joins the parts
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
     @property
     def text(self) -> str:
@@ -37,13 +38,24 @@ class ChoiceState:
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs or [])
         self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(choices: list[ChoiceState]) -> int:
+    """Prompt tokens served from the prefix cache: per prompt, those cached before the request
+    came (the fewest any of its choices found; later choices also reuse what the first computed)."""
+    fewest: dict[int, int] = {}
+    for c in choices:
+        fewest[c.prompt_index] = min(fewest.get(c.prompt_index, c.num_cached_tokens), c.num_cached_tokens)
+    return sum(fewest.values())
 
 
 def sse(payload: dict[str, Any]) -> str:

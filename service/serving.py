@@ -28,7 +28,7 @@ from service.engine_deployment import ModelInfo
 from service.engine_loop import EngineFailure, SubRequest
 from service.errors import APIError, from_value_error, overloaded_error
 from service.protocol import SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt
-from service.responses import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, sse, usage
+from service.responses import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class OpenAIServing:
         finally:  # cancellation (client gone) lands here too: abort what still runs
             run.cancel()
         completion_tokens = sum(c.num_output_tokens for c in choices)
-        return fmt.response(choices, prefixes, usage(num_prompt_tokens, completion_tokens))
+        return fmt.response(choices, prefixes, usage(num_prompt_tokens, completion_tokens, cached_tokens(choices)))
 
     async def _stream(self, run: _Run, fmt: CompletionFormat | ChatFormat, choices: list[ChoiceState],
                       index_of: dict[str, int], prefixes: list[str], prompt_lens: list[int],  # per prompt
@@ -246,7 +246,7 @@ class OpenAIServing:
 
         def event(chunk: dict[str, Any], c: ChoiceState) -> str:
             if continuous_usage:
-                chunk["usage"] = usage(prompt_lens[c.prompt_index], c.num_output_tokens)
+                chunk["usage"] = usage(prompt_lens[c.prompt_index], c.num_output_tokens, c.num_cached_tokens)
             return sse(chunk)
 
         try:
@@ -260,7 +260,8 @@ class OpenAIServing:
                     c = choices[index]
                     yield event(self._delta_chunk(fmt, c, outs, len(prefixes[index])), c)
             if include_usage:
-                yield sse(fmt.usage_chunk(usage(sum(prompt_lens), sum(c.num_output_tokens for c in choices))))
+                completion_tokens = sum(c.num_output_tokens for c in choices)
+                yield sse(fmt.usage_chunk(usage(sum(prompt_lens), completion_tokens, cached_tokens(choices))))
         except APIError as exc:
             yield sse(exc.body())
         except asyncio.CancelledError:
