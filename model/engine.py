@@ -54,6 +54,8 @@ class _Request:
     # Structured output: lives as long as the request, so preemption (which recomputes the
     # same tokens, never re-samples them) leaves it in step with output_token_ids.
     constraint: GrammarConstraint | None = None
+    # params.prompt_logprobs: entry i is prompt token i + 1's, filled as prefill chunks run
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Engine:
@@ -125,7 +127,8 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
-                                              RequestTimes(arrival=arrival_time or time.monotonic()), constraint)
+                                              RequestTimes(arrival=arrival_time or time.monotonic()), constraint,
+                                              [] if params.prompt_logprobs is not None else None)
         self.scheduler.add(seq)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -171,12 +174,27 @@ class Engine:
             times.first_scheduled = times.first_scheduled or now
         sampling = [s for s in sched.scheduled if s.samples]
         rows = [self._row(s.seq) for s in sampling]
-        tokens, logprobs = self.runner.run(sched.scheduled, rows)
+        wanted = any(s.seq.params.prompt_logprobs is not None for s in sched.scheduled)
+        prompt_lps: dict[str, list[TokenLogprob]] | None = {} if wanted else None
+        tokens, logprobs = self.runner.run(sched.scheduled, rows, prompt_lps)
+        if prompt_lps:
+            self._record_prompt_logprobs(sched.scheduled, prompt_lps)
         self.scheduler.computed(sched)
         now = time.monotonic()
         for s, tok, lp in zip(sampling, tokens, logprobs):
             outputs.append(self._append_token(s, tok, lp, now))
         return outputs
+
+    def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], got: dict[str, list[TokenLogprob]]) -> None:
+        """Keep each prompt position's logprob once: a preempted sequence computes its prompt again."""
+        for s in scheduled:
+            lps = got.get(s.seq.request_id)
+            kept = self._requests[s.seq.request_id].prompt_logprobs
+            if lps is None or kept is None:
+                continue
+            for position, lp in enumerate(lps, start=s.seq.num_computed_tokens):
+                if position == len(kept):
+                    kept.append(lp)
 
     def _row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -227,9 +245,11 @@ class Engine:
     def _delta(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],
                token_times: list[float]) -> RequestOutput:
         seq = req.seq
+        first = bool(toks) and len(seq.output_token_ids) == len(toks)  # the request's first output token
         return RequestOutput(seq.request_id, toks, text, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, len(seq.output_token_ids), req.times, token_times,
                              lps if seq.params.logprobs is not None else None,
+                             prompt_logprobs=req.prompt_logprobs if first else None,
                              num_cached_tokens=seq.num_cached_tokens)
 
     def _final(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],

@@ -25,6 +25,8 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
     logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: entry i is prompt token i + 1's (vLLM's list less its leading None)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class LLM:
@@ -82,6 +84,8 @@ class LLM:
                 out.token_ids.extend(delta.new_token_ids)
                 if out.logprobs is not None and delta.new_logprobs:
                     out.logprobs.extend(delta.new_logprobs)
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
         return [outs[r] for r in order]

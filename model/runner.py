@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
-from model.sampling import SamplingRow, sample
+from model.sampling import SamplingRow, prompt_token_logprobs, sample
 from model.scheduler import ScheduledSeq
 from model.sequence import TokenLogprob
 from model.transformer import Transformer
@@ -64,12 +64,31 @@ class ModelRunner:
         meta.decode_max_context = max(lens)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def run(self, batch: list[ScheduledSeq], rows: list[SamplingRow],
+            prompt_logprobs: dict[str, list[TokenLogprob]] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """One forward pass over the batch; one sampled token per sequence that `samples`
-        (`rows` gives their sampling state, in `batch` order)."""
+        (`rows` gives their sampling state, in `batch` order).
+
+        Sequences whose params ask for `prompt_logprobs` also get, in `prompt_logprobs[request_id]`,
+        the logprobs of the prompt tokens this chunk's positions predict (in position order)."""
         tokens, positions, meta, sample_idx = self.prepare(batch)
         hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
+        if prompt_logprobs is not None:
+            self._prompt_logprobs(batch, hidden, prompt_logprobs)
         if not sample_idx:
             return [], []
         logits = self.model.compute_logits(hidden[sample_idx])  # (B_s, vocab)
         return sample(logits, rows)
+
+    def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor,
+                         out: dict[str, list[TokenLogprob]]) -> None:
+        # prepare() lays the batch out as decode tokens (one each) first, then prefill chunks.
+        flat = 0
+        for s in [s for s in batch if s.num_new_tokens == 1] + [s for s in batch if s.num_new_tokens != 1]:
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            stop = min(start + n, seq.num_prompt_tokens - 1)  # positions that predict a prompt token
+            if seq.params.prompt_logprobs is not None and start < stop:
+                logits = self.model.compute_logits(hidden[flat:flat + stop - start])  # (P, vocab)
+                targets = seq.prompt_token_ids[start + 1:stop + 1]
+                out[seq.request_id] = prompt_token_logprobs(logits, targets, seq.params.prompt_logprobs)
+            flat += n

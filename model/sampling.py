@@ -150,3 +150,22 @@ def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) 
             top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
         )
     return out
+
+
+PROMPT_LOGPROB_ROWS = 256  # positions per log-softmax: (rows, vocab) float32 at a time, not the whole chunk
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[TokenLogprob]:
+    """logits (P, V) at P prompt positions -> the logprob of each next prompt token `targets[i]`
+    and the top `top_n` there. Raw model logprobs: no penalty, bias or temperature applies to a
+    prompt."""
+    out: list[TokenLogprob] = []
+    for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        logp = torch.log_softmax(logits[lo:lo + PROMPT_LOGPROB_ROWS].float(), dim=-1)  # (R, V)
+        want = targets[lo:lo + PROMPT_LOGPROB_ROWS]
+        picked = logp.gather(1, torch.tensor(want, device=logp.device)[:, None]).view(-1).tolist()
+        top = torch.topk(logp, top_n) if top_n else None
+        for r, (tok, lp) in enumerate(zip(want, picked)):
+            alts = list(zip(top.indices[r].tolist(), top.values[r].tolist())) if top is not None else []
+            out.append(TokenLogprob(tok, lp, alts))
+    return out

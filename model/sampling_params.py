@@ -90,6 +90,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (vLLM); the prompt is then never
+    # served from the prefix cache, so that every position is computed
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -119,6 +121,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None or name not in _OPTIONAL:
                 PARAM_RANGES[name].check(name, value)
+        if self.prompt_logprobs is not None:
+            PARAM_RANGES["logprobs"].check("prompt_logprobs", self.prompt_logprobs)
         Range(0, self.max_tokens, f"in [0, max_tokens={self.max_tokens}]", integer=True).check(
             "min_tokens", self.min_tokens)
         for token_id, bias in self.logit_bias.items():

@@ -102,7 +102,8 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            matched = self.blocks.match(seq)
+            # Prompt logprobs need every prompt position computed: no cached prefix for them.
+            matched = [] if seq.params.prompt_logprobs is not None else self.blocks.match(seq)
             if self.blocks.enable_prefix_caching:
                 writing = self._being_written() if writing is None else writing
                 if self.blocks.first_uncached_hash(seq, len(matched)) in writing:

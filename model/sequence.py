@@ -49,6 +49,9 @@ class RequestOutput:
     times: RequestTimes
     token_times: list[float] = field(default_factory=list)  # when each of new_token_ids was sampled
     new_logprobs: list[TokenLogprob] | None = None
+    # With params.prompt_logprobs, on the request's first output: entry i is prompt token i + 1
+    # given the tokens before it (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     attention: Any = None  # model.attention_maps.AttentionMaps of a finished attention request

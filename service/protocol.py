@@ -209,6 +209,10 @@ class _SamplingFields(_Request):
         """Top-N logprobs per generated token (None: no logprobs)."""
         return None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """Top-N logprobs per prompt token (None: none)."""
+        return None
+
     def constraint(self) -> tuple[str, dict[str, Any]] | None:
         """The structured-output constraint as (the field it came from, SamplingParams keyword
         arguments), or None. Raises ValueError, naming the field first, when two fields each ask for one."""
@@ -247,6 +251,7 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self.logprobs_count(),
+            prompt_logprobs=self.prompt_logprobs_count(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -325,6 +330,10 @@ class CompletionRequest(_SamplingFields):
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        # echo + logprobs: the echoed prompt carries its logprobs too (as vLLM)
+        return self.logprobs if self.echo else None
 
 
 class TextPart(_Request):

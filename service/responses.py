@@ -27,6 +27,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     num_chars: int = 0  # len(text), kept so streaming never re-joins the parts
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs: prompt tokens 1.. (engine order)
 
     @property
     def text(self) -> str:
@@ -37,6 +38,8 @@ class ChoiceState:
         self.num_chars += len(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
@@ -85,10 +88,14 @@ class _TokenText:
 class CompletionFormat:
     """Bodies of `/v1/completions`."""
 
-    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, logprobs: int | None) -> None:
+    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, logprobs: int | None,
+                 echo_prompts: list[list[int]] | None = None) -> None:
+        """`echo_prompts`: the token ids of each prompt when the request has echo + logprobs, so
+        the echoed prompt carries logprobs too (the first token's are null, as in vLLM)."""
         self.request_id, self.model, self.created = request_id, model, created
         self._tokens = _TokenText(tokenizer)
         self._want_logprobs = logprobs is not None
+        self.echo_prompts = echo_prompts
 
     def _logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
         if not self._want_logprobs:
@@ -104,6 +111,25 @@ class CompletionFormat:
             "top_logprobs": [{self._tokens.text(t): v for t, v in lp.top} for lp in lps],
             "text_offset": offsets,
         }
+
+    def _echo_logprobs(self, prompt_ids: list[int], lps: list[TokenLogprob]) -> dict[str, Any]:
+        tokens = [self._tokens.text(t) for t in prompt_ids]
+        offsets, offset = [], 0
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [lp.logprob for lp in lps],
+            "top_logprobs": [None] + [{self._tokens.text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def echo_chunk(self, index: int, prompt_index: int, prefix: str, lps: list[TokenLogprob]) -> dict[str, Any]:
+        """The echoed prompt of choice `index` with its prompt logprobs (echo + logprobs)."""
+        chunk = self.chunk(index, prefix, [], None)
+        chunk["choices"][0]["logprobs"] = self._echo_logprobs(self.echo_prompts[prompt_index], lps)
+        return chunk
 
     def chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
               offset: int = 0) -> dict[str, Any]:
@@ -121,8 +147,12 @@ class CompletionFormat:
         """The whole (non-streamed) response; `prefixes[i]` is choice i's echoed prompt or ""."""
         body = []
         for c, prefix in zip(choices, prefixes):
-            body.append({"index": c.index, "text": prefix + c.text,
-                         "logprobs": self._logprobs(c.logprobs, len(prefix)), "finish_reason": c.finish_reason})
+            logprobs = self._logprobs(c.logprobs, len(prefix))
+            if logprobs is not None and self.echo_prompts is not None and c.prompt_logprobs is not None:
+                echoed = self._echo_logprobs(self.echo_prompts[c.prompt_index], c.prompt_logprobs)
+                logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+            body.append({"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
+                         "finish_reason": c.finish_reason})
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": body, "usage": usage_}
 

@@ -188,12 +188,10 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/completions`: a response body, or SSE lines when streaming."""
         self.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
         prompts = [self.token_ids(p) for p in req.prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
-                               req.logprobs)
+                               req.logprobs, prompts if req.prompt_logprobs_count() is not None else None)
         echoes = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         prefixes = [echoes[i // req.n] for i in range(len(prompts) * req.n)]
         return await self._generate(request_id, prompts, req, fmt, prefixes)
@@ -249,15 +247,20 @@ class OpenAIServing:
                 chunk["usage"] = usage(prompt_lens[c.prompt_index], c.num_output_tokens, c.num_cached_tokens)
             return sse(chunk)
 
+        # echo + logprobs: the echoed prompt goes out with its logprobs, which come with the first token.
+        echo_logprobs = isinstance(fmt, CompletionFormat) and fmt.echo_prompts is not None
         try:
             for c in choices:
                 if isinstance(fmt, ChatFormat):
                     yield event(fmt.role_chunk(c.index), c)
-                elif prefixes[c.index]:
+                elif prefixes[c.index] and not echo_logprobs:
                     yield event(fmt.chunk(c.index, prefixes[c.index], [], None), c)
             async for batch in run.batches():
                 for index, outs in _group(batch, index_of).items():
                     c = choices[index]
+                    prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+                    if echo_logprobs and prompt_lps is not None:
+                        yield event(fmt.echo_chunk(index, c.prompt_index, prefixes[index], prompt_lps), c)
                     yield event(self._delta_chunk(fmt, c, outs, len(prefixes[index])), c)
             if include_usage:
                 completion_tokens = sum(c.num_output_tokens for c in choices)

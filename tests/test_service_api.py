@@ -134,6 +134,36 @@ def test_logprobs_stop_and_echo(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text == "xyz" + text
 
 
+def test_echo_with_logprobs_returns_prompt_logprobs(client: openai.OpenAI) -> None:
+    prompt = "The cat sat on the mat"
+    kwargs = dict(model=MODEL, max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt=prompt, echo=True, n=2, **kwargs)
+    plain = client.completions.create(prompt=prompt, **kwargs).choices[0]
+    n = len(prompt.encode())  # byte tokenizer
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert choice.text == prompt + plain.text
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 5
+        assert "".join(lp.tokens[:n]) == prompt and lp.text_offset[:n] == list(range(n))
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+        assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+        # The generated part is what the request without echo gets.
+        assert lp.tokens[n:] == plain.logprobs.tokens and lp.text_offset[n:] == plain.logprobs.text_offset
+        assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    # Causal: a shorter prompt's logprobs are the first ones of the longer prompt's.
+    short = client.completions.create(prompt=prompt[:10], echo=True, **kwargs).choices[0].logprobs
+    assert short.token_logprobs[1:10] == pytest.approx(out.choices[0].logprobs.token_logprobs[1:10], abs=1e-5)
+    # Streamed: the echo chunk carries the prompt's logprobs, and everything adds up to the same.
+    tokens, values = [], []
+    for chunk in client.completions.create(prompt=prompt, echo=True, stream=True, **kwargs):
+        for c in chunk.choices:
+            tokens += c.logprobs.tokens if c.logprobs else []
+            values += c.logprobs.token_logprobs if c.logprobs else []
+    first = out.choices[0].logprobs
+    assert tokens == first.tokens and values[0] is None
+    assert values[1:] == pytest.approx(first.token_logprobs[1:], abs=1e-5)
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=4,
                                          temperature=0, logprobs=True, top_logprobs=2)

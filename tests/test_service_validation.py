@@ -65,7 +65,6 @@ CASES = [
     ("/v1/completions", _cmpl(stop=5), 400, "stop", "string"),
     ("/v1/completions", _cmpl(logprobs=21), 400, "logprobs", "<= 20"),
     ("/v1/completions", _cmpl(logprobs=-1), 400, "logprobs", ">= 0"),
-    ("/v1/completions", _cmpl(echo=True, logprobs=1), 400, "echo", "not supported"),
     ("/v1/completions", _cmpl(presence_penalty=2.5), 400, "presence_penalty", "<= 2"),
     ("/v1/completions", _cmpl(frequency_penalty=-3), 400, "frequency_penalty", ">= -2"),
     ("/v1/completions", _cmpl(repetition_penalty=0), 400, "repetition_penalty", "> 0"),
