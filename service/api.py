@@ -47,6 +47,7 @@ class IngressSettings:
     max_header_bytes: int = 32 * 1024  # request line target plus every header name and value
     overload_status: int = 503
     retry_after_s: float = 1.0
+    admission_capacity: int = -1  # requests admitted at once (service/admission.py); -1: no limit
     request_timeout_s: float | None = None  # whole-request deadline; None: none
 
 
@@ -225,7 +226,8 @@ class OpenAIIngress:
         self._settings = IngressSettings(**settings)
         self._engine = engine
         info = await engine.model_info.remote()
-        overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s)
+        overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s,
+                                  self._settings.admission_capacity)
         self._serving = OpenAIServing(info, engine, overload, self._settings.request_timeout_s)
         logger.info("ingress ready for model %s (max_model_len %d)", info.served_model_name, info.max_model_len)
 

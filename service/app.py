@@ -23,6 +23,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from model.config import PRESETS, EngineConfig
 from model.hub import is_hub_id
+from service.admission import admission_capacity
 from service.api import API_KEY_ENV, IngressSettings, OpenAIIngress
 from service.engine_deployment import EngineDeployment
 
@@ -63,6 +64,10 @@ class AppArgs(BaseModel):
     max_header_bytes: int = Field(32 * 1024, ge=1024)  # path + headers; 431 past it
     request_timeout_s: float | None = Field(None, gt=0)  # whole-request deadline: aborted with a 504
     ingress_replicas: int = Field(1, ge=1)
+    # reliability: how long a stopping replica (redeploy, scale-down) lets its requests finish,
+    # and how long the engine may go without progress before /health and Serve's check fail
+    graceful_shutdown_timeout_s: float = Field(300.0, ge=0)
+    stall_timeout_s: float = Field(60.0, gt=0)
     # resources
     engine_num_cpus: float = Field(1.0, gt=0)
     ingress_num_cpus: float = Field(0.25, ge=0)
@@ -77,6 +82,11 @@ class AppArgs(BaseModel):
         # The whole batch plus a small waiting line inside the engine, which admits it between
         # steps faster than Serve's router would; the rest waits (bounded) at the callers.
         return self.max_ongoing_requests or self.max_num_seqs + max(4, self.max_num_seqs // 4)
+
+    def max_engine_replicas(self) -> int:
+        if self.autoscaling_config:
+            return int(self.autoscaling_config.get("max_replicas", 1))
+        return self.num_replicas
 
     def resolved_name(self) -> str:
         if self.served_model_name:
@@ -130,6 +140,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         max_ongoing_requests=args.resolved_max_ongoing(),
         max_queued_requests=args.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=args.overload_status, retry_after_s=args.retry_after_s),
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         **scaling,
         **router_options(args),
     ).bind(
@@ -142,6 +153,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         torch_threads=args.torch_threads or (None if gpu else max(1, int(args.engine_num_cpus))),
         engine_wrapper=engine_wrapper,
         revision=args.revision,
+        stall_timeout_s=args.stall_timeout_s,
     )
     settings = IngressSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -150,6 +162,8 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         request_timeout_s=args.request_timeout_s,
         overload_status=args.overload_status,
         retry_after_s=args.retry_after_s,
+        admission_capacity=admission_capacity(args.resolved_max_ongoing(), args.max_engine_replicas(),
+                                              args.max_queued_requests),
     )
     logger.info("building %s on %s: %s, max_ongoing_requests=%d, max_queued_requests=%d, api key %s",
                 args.resolved_name(), "GPU" if gpu else "CPU", scaling, args.resolved_max_ongoing(),
@@ -157,5 +171,6 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     ingress = OpenAIIngress.options(
         num_replicas=args.ingress_replicas,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,  # its streams drain too
     )
     return ingress.bind(engine, dataclasses.asdict(settings))

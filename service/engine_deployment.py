@@ -3,7 +3,12 @@
 New requests join the running batch between steps (continuous batching, not `@serve.batch`).
 A caller that goes away (client disconnect -> the handle call is cancelled) aborts its
 sequences, so their KV blocks are freed by the next step. A dead step loop fails every request
-in flight and makes `check_health` raise, so Serve replaces the replica.
+in flight and makes `check_health` raise, so Serve replaces the replica; so does a step that
+makes no progress for longer than `stall_timeout_s` (a wedged kernel, a deadlock).
+
+A replica that Serve stops (a redeploy, a scale-down) gets no new calls and drains: Serve waits
+for its calls in flight, up to the deployment's `graceful_shutdown_timeout_s`, and the step loop
+keeps running them to the end meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from service.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
+STALL_POLL_S = 1.0  # how often the replica checks whether its engine is stalled
 GAUGE_REFRESH_S = 2.0  # well under the ~20 s after which Ray stops exporting an unset gauge
 
 
@@ -57,6 +63,7 @@ class EngineDeployment:
         torch_threads: int | None = None,
         engine_wrapper: Callable[[Any], Any] | None = None,
         revision: str | None = None,
+        stall_timeout_s: float = 60.0,
     ) -> None:
         from model.engine import Engine  # heavy import; keeps this module importable without it
 
@@ -72,10 +79,13 @@ class EngineDeployment:
         if engine_wrapper is not None:  # tests only (a callable: no config can set it)
             self._engine = engine_wrapper(self._engine)
         self._served_model_name = served_model_name
+        self._stall_timeout_s = stall_timeout_s
         self._metrics = EngineMetrics(served_model_name)
         self._loop = EngineLoop(self._engine)
         self._loop.start()
+        self._waiting: set[Any] = set()  # the sinks of the generate() calls in flight
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
+        self._watchdog = asyncio.get_running_loop().create_task(self._fail_callers_while_stalled())
         runtime = self._engine.runtime
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d",
                     model, runtime.device, runtime.dtype, runtime.max_model_len, runtime.num_kv_blocks,
@@ -104,6 +114,7 @@ class EngineDeployment:
                 yield EngineFailure(400, str(exc))
                 return
         sink = self._loop.submit(requests)
+        self._waiting.add(sink)
         pending = {r.request_id for r in requests}
         last_token_time: dict[str, float | None] = dict.fromkeys(pending)
         try:
@@ -123,6 +134,7 @@ class EngineDeployment:
                 yield batch
         finally:
             # Reached on normal completion, on cancellation (client gone) and on aclose().
+            self._waiting.discard(sink)
             if pending:
                 logger.info("aborting %d request(s): the caller went away", len(pending))
                 self._loop.abort(sorted(pending))
@@ -130,9 +142,24 @@ class EngineDeployment:
                     if r.request_id in pending:
                         self._metrics.observe_abort(len(r.prompt_token_ids))
 
+    async def _fail_callers_while_stalled(self) -> None:
+        """While the engine is stalled, its wedged step delivers nothing: end every call in
+        flight with a 503 instead, so callers can retry elsewhere and the replica can drain and
+        be replaced (on the event loop: the sinks' queues belong to it)."""
+        while True:
+            await asyncio.sleep(STALL_POLL_S)
+            problem = self._loop.problem(self._stall_timeout_s)
+            if problem is None or not self._waiting:
+                continue
+            logger.error("failing %d call(s) in flight: %s", len(self._waiting), problem)
+            for sink in list(self._waiting):
+                sink.put(EngineFailure(503, "The engine stopped making progress; the replica will be replaced, "
+                                            "retry the request."))
+
     def healthy(self) -> bool:
-        """False once the step loop has died."""
-        return self._loop.alive
+        """False once the step loop has died or has made no progress for `stall_timeout_s`;
+        the same rule as `check_health`."""
+        return self._loop.problem(self._stall_timeout_s) is None
 
     def engine_stats(self) -> dict[str, Any]:
         """The latest `EngineStats` snapshot as a dict (debugging and tests)."""
@@ -140,8 +167,9 @@ class EngineDeployment:
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""
-        if not self._loop.alive:
-            raise RuntimeError(f"engine step loop is dead: {self._loop.error}")
+        problem = self._loop.problem(self._stall_timeout_s)
+        if problem is not None:
+            raise RuntimeError(problem)
 
     async def _refresh_gauges(self) -> None:
         while True:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from model.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAKEUP_S = 1.0  # an idle loop still refreshes its stats this often
+IDLE_WAKEUP_S = 1.0  # an idle loop still refreshes its stats (and reports progress) this often
 
 
 @dataclass
@@ -54,6 +55,10 @@ class _Sink:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
+    def put(self, item: list[RequestOutput] | EngineFailure) -> None:
+        """Add an item from the sink's own event loop."""
+        self._queue.put_nowait(item)
+
     async def get_all(self) -> list[list[RequestOutput] | EngineFailure]:
         """Wait for one item, then take everything already queued, so a slow consumer
         gets several steps at once instead of falling behind."""
@@ -74,11 +79,28 @@ class EngineLoop:
         self._stopping = False
         self.error: str | None = None
         self.stats = engine.stats()  # a snapshot, replaced (never mutated) by the loop thread
+        self._last_progress = time.monotonic()  # end of the loop's last step or idle check
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
 
     @property
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def stalled_s(self) -> float:
+        """Seconds since the loop last made progress (finished a step, or found nothing to do).
+        An idle loop checks in every IDLE_WAKEUP_S, so only a step that does not return (a
+        wedged kernel, a deadlock) lets this grow past a few seconds."""
+        return time.monotonic() - self._last_progress
+
+    def problem(self, stall_timeout_s: float) -> str | None:
+        """Why this loop cannot serve (dead, or no progress for longer than `stall_timeout_s`
+        while it has work), or None when it is fine."""
+        if not self.alive:
+            return f"engine step loop is dead: {self.error or 'stopped'}"
+        stalled = self.stalled_s()
+        if stalled > stall_timeout_s:
+            return f"engine step has made no progress for {stalled:.0f}s (limit {stall_timeout_s:g}s)"
+        return None
 
     def start(self) -> None:
         self._thread.start()
@@ -116,10 +138,13 @@ class EngineLoop:
                 self._apply_commands()
                 if not self._engine.has_unfinished():
                     self.stats = self._engine.stats()
+                    self._last_progress = time.monotonic()
                     self._wakeup.wait(IDLE_WAKEUP_S)
                     self._wakeup.clear()
+                    self._last_progress = time.monotonic()
                     continue
                 outputs = self._engine.step()
+                self._last_progress = time.monotonic()
                 self.stats = self._engine.stats()
                 self._dispatch(outputs)
         except Exception as exc:  # the step itself failed: nothing in flight can go on

@@ -23,6 +23,7 @@ from model.request_checks import RequestError, check_request, check_token_ids
 from model.sampling_params import SamplingParams
 from model.sequence import RequestOutput
 from model.structured import check_structured
+from service.admission import AdmissionGate
 from service.chat import ChatTemplate
 from service.engine_deployment import ModelInfo
 from service.engine_loop import EngineFailure, SubRequest
@@ -41,14 +42,16 @@ class OverloadPolicy:
 
     status: int = 503
     retry_after_s: float = 1.0
+    capacity: int = -1  # requests admitted at once by this ingress replica (service/admission.py)
 
 
 class _Run:
     """The engine call of one HTTP request: started, read batch by batch, cancelled."""
 
-    def __init__(self, handle: Any, requests: list[SubRequest], overload: OverloadPolicy,
+    def __init__(self, handle: Any, requests: list[SubRequest], overload: OverloadPolicy, gate: AdmissionGate,
                  timeout_s: float | None = None) -> None:
-        self._handle, self._requests, self._overload = handle, requests, overload
+        self._handle, self._requests, self._overload, self._gate = handle, requests, overload, gate
+        self._admitted = False
         self._timeout_s = timeout_s
         # Event-loop time by which the whole request must be done (queueing included).
         self._deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
@@ -58,7 +61,10 @@ class _Run:
 
     async def start(self) -> None:
         """Send the call and wait for its first item, so a rejection (overload, bad input)
-        is still a plain HTTP error rather than a broken stream."""
+        is still a plain HTTP error rather than a broken stream. Past the admission capacity
+        it is turned away at once; `cancel()`, which every path ends with, frees its slot."""
+        self._gate.acquire()
+        self._admitted = True
         self._gen = self._handle.generate.remote(self._requests)
         self._first = self._check(await self._next_item())
 
@@ -110,8 +116,18 @@ class _Run:
                 return
             yield self._check(item)
 
+    def _release(self) -> None:
+        if self._admitted:
+            self._admitted = False
+            self._gate.release()
+
+    def __del__(self) -> None:  # a response dropped before its body was read: free the slot anyway
+        self._release()
+
     def cancel(self) -> None:
-        """Abort what is still running (client gone, or an error on our side)."""
+        """Abort what is still running (client gone, or an error on our side); called once the
+        request is over, whatever happened."""
+        self._release()
         if self._gen is not None and not self.done:
             self.done = True
             try:
@@ -129,6 +145,7 @@ class OpenAIServing:
         self.tokenizer = info.tokenizer
         self._handle = engine_handle.options(stream=True)
         self._overload = overload
+        self._gate = AdmissionGate(overload.capacity, lambda: overloaded_error(overload.status, overload.retry_after_s))
         self._timeout_s = request_timeout_s  # None: no deadline
         tok = info.tokenizer
         self.chat_template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token or "",
@@ -214,7 +231,7 @@ class OpenAIServing:
         index_of = {s.request_id: k for k, s in enumerate(subs)}
         choices = [ChoiceState(k, k // req.n) for k in range(len(subs))]
         num_prompt_tokens = sum(len(p) for p in prompts)
-        run = _Run(self._handle, subs, self._overload, self._timeout_s)
+        run = _Run(self._handle, subs, self._overload, self._gate, self._timeout_s)
         try:
             await run.start()
         except BaseException:

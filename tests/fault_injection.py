@@ -10,6 +10,7 @@ Serve replaces the replica. `tests/local_serve.py` hands it to the engine replic
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from model.sampling_params import SamplingParams
@@ -42,3 +43,24 @@ class StepFaultInjector:
 
     def __getattr__(self, name: str) -> Any:  # runtime, stats, abort_request, has_unfinished, ...
         return getattr(self._engine, name)
+
+
+class StepStallInjector(StepFaultInjector):
+    """Wraps an `Engine`: once a request whose prompt text contains `marker` is added, the next
+    `step()` never returns (a wedged kernel): the loop thread lives on but makes no progress."""
+
+    def step(self) -> list[RequestOutput]:
+        if self._marked:
+            logger.warning("injected stall: request %s carries the stall marker", sorted(self._marked)[0])
+            while True:
+                time.sleep(1.0)
+        return self._engine.step()
+
+
+def inject(engine: Any, fault_marker: str | None = None, stall_marker: str | None = None) -> Any:
+    """The engine wrapped by the injectors whose markers are given (an `engine_wrapper`)."""
+    if fault_marker:
+        engine = StepFaultInjector(engine, fault_marker)
+    if stall_marker:
+        engine = StepStallInjector(engine, stall_marker)
+    return engine

@@ -26,14 +26,15 @@ logger = logging.getLogger(__name__)
 @contextmanager
 def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
                   metrics_port: int | None = None, metrics_interval_ms: int = 1000,
-                  step_fault_marker: str | None = None) -> Iterator[str]:
+                  step_fault_marker: str | None = None, step_stall_marker: str | None = None) -> Iterator[str]:
     """Run the application for `args` on a new local Ray (never an existing cluster); yields
     the base URL.
 
     With `metrics_port`, Ray's Prometheus endpoint is http://127.0.0.1:<metrics_port>/metrics and
     metrics are reported every `metrics_interval_ms` (Ray's private settings: fine in tests).
     With `step_fault_marker`, a prompt containing it makes the engine step raise
-    (`fault_injection.StepFaultInjector`).
+    (`fault_injection.StepFaultInjector`); with `step_stall_marker`, such a prompt makes the step
+    hang (`fault_injection.StepStallInjector`). Both may be given.
     """
     init: dict[str, Any] = {"address": "local", "num_cpus": num_cpus, "include_dashboard": False,
                             "_node_ip_address": "127.0.0.1", "logging_level": logging.WARNING}
@@ -41,10 +42,10 @@ def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
         init["_metrics_export_port"] = metrics_port
         init["_system_config"] = {"metrics_report_interval_ms": metrics_interval_ms}
     wrapper = None
-    if step_fault_marker:
-        # The replica cannot import tests/: ship the injector's code inside the pickle.
+    if step_fault_marker or step_stall_marker:
+        # The replica cannot import tests/: ship the injectors' code inside the pickle.
         ray.cloudpickle.register_pickle_by_value(fault_injection)
-        wrapper = functools.partial(fault_injection.StepFaultInjector, marker=step_fault_marker)
+        wrapper = functools.partial(fault_injection.inject, fault_marker=step_fault_marker, stall_marker=step_stall_marker)
     ray.init(**init)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})

@@ -6,7 +6,8 @@ body limits and the step-fault injector of tests/fault_injection.py. Its model i
 acts on it. The disruptive tests (a failing engine step, a killed replica) run last.
 
 Bounds the tests state: a request in flight when its replica dies ends within KILL_ERROR_S;
-the service answers again within RECOVERY_S; every client read gives up after CLIENT_TIMEOUT_S.
+the service answers again within RECOVERY_S; every client read gives up after CLIENT_TIMEOUT_S;
+a stalled engine step fails /health within STALL_TIMEOUT_S + STALL_DETECT_S.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ MODEL = "rel"
 API_KEY = "rel-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FAULT_MARKER = "<<qkv-test-fault>>"
+STALL_MARKER = "<<qkv-test-stall>>"
+STALL_TIMEOUT_S = 8.0  # the app's stall_timeout_s: a step that long without progress is a stall
 REQUEST_TIMEOUT_S = 15.0
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
 CLIENT_TIMEOUT_S = 60.0
 KILL_ERROR_S = 30.0
+STALL_DETECT_S = 15.0
 RECOVERY_S = 90.0
 LONG = {"prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}  # far past the deadline
 REPLICA_PREFIX = "SERVE_REPLICA::qkv#EngineDeployment#"
@@ -50,8 +54,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
                                  n_heads=8, n_layers=4, d_ff=2048)
     args = {"model": str(ckpt), "served_model_name": MODEL, "api_key": API_KEY, "max_num_seqs": 8,
             "num_kv_blocks": 600, "engine_num_cpus": 1, "request_timeout_s": REQUEST_TIMEOUT_S,
-            "max_header_bytes": MAX_HEADER_BYTES, "max_body_bytes": MAX_BODY_BYTES}
-    with local_service(args, HTTP_PORT, num_cpus=2, step_fault_marker=FAULT_MARKER) as url:
+            "max_header_bytes": MAX_HEADER_BYTES, "max_body_bytes": MAX_BODY_BYTES, "stall_timeout_s": STALL_TIMEOUT_S}
+    with local_service(args, HTTP_PORT, num_cpus=2, step_fault_marker=FAULT_MARKER,
+                       step_stall_marker=STALL_MARKER) as url:
         wait_until(lambda: _health(url) == 200, 60, "the service to be healthy")
         yield url, ckpt
 
@@ -306,6 +311,29 @@ def test_an_engine_step_exception_errors_the_batch_and_the_replica_is_replaced(h
     wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "a replacement replica")
     after = _engine_replicas()
     assert after and after.isdisjoint(before), (before, after)
+    _serves(http)
+
+
+def test_a_stalled_engine_step_fails_health_and_its_requests_and_the_replica_is_replaced(
+        http: httpx.Client, base_url: str) -> None:
+    before = _engine_replicas()
+    with ThreadPoolExecutor(2) as pool:
+        streamed = pool.submit(_stream_events, base_url, LONG)
+        wait_until(lambda: _stats()["num_running"] == 1, 30, "a request in the batch")
+        assert _health(base_url) == 200  # a busy engine is not a stalled one
+        marked = pool.submit(_post, base_url, {"prompt": f"{STALL_MARKER} go", "max_tokens": 4})
+        # The next step never returns; the loop thread lives on. Both the HTTP check and
+        # Serve's check_health apply the same rule: no progress for STALL_TIMEOUT_S.
+        wait_until(lambda: _health(base_url) == 503, STALL_TIMEOUT_S + STALL_DETECT_S, "/health to report the stall")
+        status, events = streamed.result()
+        r = marked.result()
+    error = _assert_error(r, 503)
+    assert "progress" in error["message"] and "retry" in error["message"]
+    assert status == 200
+    _assert_stream_error(events)
+    wait_until(lambda: (after := _engine_replicas()) and after.isdisjoint(before), RECOVERY_S,
+               "Serve to replace the stalled replica (its check_health fails)")
+    wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "the service to answer again")
     _serves(http)
 
 

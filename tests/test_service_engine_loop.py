@@ -4,6 +4,7 @@ a failing step fails every request in flight and marks the loop dead (and /healt
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,9 @@ from fastapi.testclient import TestClient
 from model.config import EngineConfig
 from model.engine import Engine
 from model.sampling_params import SamplingParams
+from service.admission import AdmissionGate, admission_capacity
 from service.api import IngressSettings, build_api
-from service.engine_loop import EngineFailure, EngineLoop, SubRequest
+from service.engine_loop import IDLE_WAKEUP_S, EngineFailure, EngineLoop, SubRequest
 from local_serve import write_tiny_checkpoint
 
 
@@ -157,3 +159,60 @@ def test_health_reports_a_dead_engine(healthy: Any, status: int) -> None:
     assert r.status_code == status
     if status == 503:
         assert r.json()["error"]["type"] == "server_error"
+
+
+class _WedgingEngine(_FailingEngine):
+    """Steps fine until `wedge` is set, then a step blocks until `release` is set (a hung
+    kernel); the loop thread stays alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wedge, self.release, self.wedged = threading.Event(), threading.Event(), threading.Event()
+
+    def step(self) -> list[Any]:
+        if self.wedge.is_set():
+            self.wedged.set()
+            self.release.wait(30)
+        return []
+
+
+def test_a_wedged_step_is_a_problem_once_it_passes_the_bound_and_an_idle_loop_never_is() -> None:
+    async def run() -> None:
+        engine = _WedgingEngine()
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            await asyncio.sleep(2.5 * IDLE_WAKEUP_S)  # idle well past the bound below: still fine
+            assert loop.problem(stall_timeout_s=2.0) is None
+            engine.wedge.set()
+            loop.submit([SubRequest("r", [1], SamplingParams(max_tokens=5))])
+            assert await asyncio.to_thread(engine.wedged.wait, 10)
+            assert loop.problem(stall_timeout_s=2.0) is None  # just started: within the bound
+            await asyncio.sleep(2.5)
+            problem = loop.problem(stall_timeout_s=2.0)
+            assert loop.alive and problem is not None and "no progress" in problem
+            engine.wedge.clear()
+            engine.release.set()  # the step returns: progress again
+            await asyncio.sleep(0.5)
+            assert loop.problem(stall_timeout_s=2.0) is None
+        finally:
+            engine.release.set()
+            loop.stop()
+
+    asyncio.run(run())
+
+
+def test_the_admission_gate_admits_exactly_its_capacity() -> None:
+    gate = AdmissionGate(admission_capacity(max_ongoing_requests=2, engine_replicas=1, max_queued_requests=2),
+                         lambda: RuntimeError("overloaded"))
+    for _ in range(4):
+        gate.acquire()
+    with pytest.raises(RuntimeError, match="overloaded"):
+        gate.acquire()
+    gate.release()
+    gate.acquire()  # a finished request frees its slot
+    assert gate.admitted == 4
+    unbounded = AdmissionGate(admission_capacity(2, 3, -1), lambda: RuntimeError("never"))
+    for _ in range(100):
+        unbounded.acquire()
+    assert admission_capacity(8, 3, 16) == 40

@@ -1,9 +1,11 @@
-"""Cancellation, overload and metrics of the running service: a real Ray Serve on loopback with
-Ray's Prometheus endpoint, and a model slow enough that one long request would keep the
-engine busy for about a minute unless it is aborted."""
+"""Cancellation, overload, metrics and redeploys of the running service: a real Ray Serve on
+loopback with Ray's Prometheus endpoint, and a model slow enough that one long request would keep
+the engine busy for about a minute unless it is aborted. The redeploy tests run last: they
+replace the application's config."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,10 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from local_serve import local_service, write_tiny_checkpoint
+from service.app import AppArgs, build_app
 
 pytestmark = pytest.mark.slow
 
@@ -23,17 +27,22 @@ HTTP_PORT = 18330
 METRICS_PORT = 18331
 MODEL = "slow"
 MAX_ONGOING, MAX_QUEUED, RETRY_AFTER = 2, 2, 2
+BURST = 16  # concurrent clients of the overload tests
 LONG = {"prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}  # ~1 min if not aborted
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def app_args(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "slow", max_position=4096, d_model=512,
                                  n_heads=8, n_layers=4, d_ff=2048)
-    args = {"model": str(ckpt), "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 1100,
+    return {"model": str(ckpt), "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 1100,
             "engine_num_cpus": 1, "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED,
             "retry_after_s": RETRY_AFTER}
-    with local_service(args, HTTP_PORT, num_cpus=2, metrics_port=METRICS_PORT) as url:
+
+
+@pytest.fixture(scope="module")
+def base_url(app_args: dict[str, Any]) -> Iterator[str]:
+    with local_service(app_args, HTTP_PORT, num_cpus=2, metrics_port=METRICS_PORT) as url:
         yield url
 
 
@@ -132,12 +141,10 @@ def test_client_disconnect_aborts_the_request(base_url: str, stream: bool) -> No
               == aborted_before + 1, "the abort to be counted")
 
 
-def test_overload_rejects_the_excess_fast(base_url: str) -> None:
-    # Long enough (~10 s each here) that all requests arrive while the first ones still run.
-    body = {"prompt": "abc", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    events: list[tuple[float, str, int, dict[str, Any]]] = []
+def _burst(base_url: str, body: dict[str, Any], total: int) -> list[tuple[float, int, dict[str, Any]]]:
+    """`total` streaming requests that leave together; (time done, status, headers and body) each."""
+    events: list[tuple[float, int, dict[str, Any]]] = []
     lock = threading.Lock()
-    total = 16
     start = threading.Barrier(total)
 
     def one(_: int) -> None:
@@ -148,26 +155,121 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
                 payload = r.read()
                 info = {"retry_after": r.headers.get("retry-after"), "body": payload}
         with lock:
-            events.append((time.monotonic(), "done", r.status_code, info))
+            events.append((time.monotonic(), r.status_code, info))
 
     with ThreadPoolExecutor(total) as pool:
         list(pool.map(one, range(total)))
-    admitted = [e for e in events if e[2] == 200]
-    rejected = [e for e in events if e[2] != 200]
-    assert len(admitted) + len(rejected) == total
-    # Serve should admit max_ongoing + max_queued at once, but under a burst a few more got in
-    # (seen once in two CI runs: 6 of 10 with a capacity of 4). Not confirmed why; most likely a
-    # request that Serve's router is handing to a full replica is briefly outside its queue
-    # count. The bound allows that and still demands that most of the excess is turned away.
-    assert 2 <= len(admitted) <= 2 * (MAX_ONGOING + MAX_QUEUED)
-    assert len(rejected) >= total - 2 * (MAX_ONGOING + MAX_QUEUED)
-    for _, _, status, info in rejected:
+    assert len(events) == total
+    return events
+
+
+def test_overload_rejects_the_excess_fast(base_url: str) -> None:
+    # Long enough (~10 s each here) that all requests arrive while the first ones still run.
+    body = {"prompt": "abc", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    events = _burst(base_url, body, BURST)
+    admitted = [e for e in events if e[1] == 200]
+    rejected = [e for e in events if e[1] != 200]
+    # The ingress admits at most max_ongoing x replicas + max_queued at once (service/admission.py:
+    # Serve's own count lets a few more in under a burst). Serve's router may turn away a few
+    # that would fit (its queue count includes requests about to be assigned), never more.
+    assert MAX_ONGOING <= len(admitted) <= MAX_ONGOING + MAX_QUEUED
+    for _, status, info in rejected:
         assert status == 503
         assert info["retry_after"] == str(RETRY_AFTER)
         error = httpx.Response(503, content=info["body"]).json()["error"]
         assert error["type"] == "overloaded_error" and "overloaded" in error["message"]
-    for _, _, _, info in admitted:
+    for _, _, info in admitted:
         assert info["body"].endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' in info["body"]
     # fast: every rejection came back before any admitted request had finished
     assert max(t for t, *_ in rejected) < min(t for t, *_ in admitted)
     assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+# ---- redeploys (last: they change the application's config) -----------------------------------
+
+STREAM_TOKENS = 1200  # long enough to outlive the redeploy: the old replica drains them
+SHORT = {"prompt": "during", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+
+
+def _stream_tokens(base_url: str, body: dict[str, Any],
+                   started: threading.Event | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """Status and the JSON events of a stream with usage; raises if [DONE] is missing.
+    `started` is set once the first event has arrived."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    lines: list[str] = []
+    with httpx.Client(base_url=base_url, timeout=120) as http, http.stream("POST", "/v1/completions",
+                                                                         json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[len("data: "):])
+                if started is not None:
+                    started.set()
+    assert lines and lines[-1] == "[DONE]", lines[-3:]
+    return r.status_code, [json.loads(x) for x in lines[:-1]]
+
+
+def _assert_complete(status: int, events: list[dict[str, Any]], tokens: int) -> None:
+    assert status == 200 and not any("error" in e for e in events), events[-2:]
+    assert events[-1]["usage"]["completion_tokens"] == tokens
+    assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]] == ["length"]
+
+
+def _engine_states() -> dict[str, int]:
+    app = serve.status().applications["qkv"]
+    return dict(app.deployments["EngineDeployment"].replica_states)
+
+
+def _engine_replicas() -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::qkv#EngineDeployment#")}
+
+
+def test_a_redeploy_while_streaming_completes_every_request(base_url: str, app_args: dict[str, Any]) -> None:
+    """`serve.run` of a changed config (what `serve deploy` does) while streams run: the old
+    replica stops taking requests and drains its streams to the end (graceful_shutdown_timeout_s),
+    new requests go to the new replicas, and no client sees an error."""
+    _wait_for(_idle, "an idle engine", timeout_s=60)
+    old = _engine_replicas()
+    long_body = {"prompt": "in flight", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0}
+    # The new config: another served name (visible in /v1/models) and the queue the next test needs.
+    new_args = app_args | {"served_model_name": f"{MODEL}-v2", "max_queued_requests": BURST}
+    with ThreadPoolExecutor(MAX_ONGOING + 1) as pool:
+        # Both of the replica's slots (MAX_ONGOING) go to the streams: engine_stats would queue.
+        started = [threading.Event() for _ in range(MAX_ONGOING)]
+        streams = [pool.submit(_stream_tokens, base_url, long_body, ev) for ev in started]
+        _wait_for(lambda: all(ev.is_set() for ev in started), "the streams to run")
+        redeploy = pool.submit(serve.run, build_app(AppArgs.model_validate(new_args)), name="qkv", route_prefix="/")
+        drained_while_streaming, during = False, 0
+        while not redeploy.done() or during < 2:  # new requests all along, and a couple after
+            body = SHORT | {"prompt": f"during {during}"}
+            if during % 2:
+                _assert_complete(*_stream_tokens(base_url, body), 8)
+            else:
+                r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text[:300]
+            if redeploy.done():
+                during += 1
+            if _engine_states().get("STOPPING") and not any(s.done() for s in streams):
+                drained_while_streaming = True
+        redeploy.result()
+        while not all(s.done() for s in streams):
+            if _engine_states().get("STOPPING"):
+                drained_while_streaming = True
+            time.sleep(0.5)
+        for stream in streams:
+            _assert_complete(*stream.result(), STREAM_TOKENS)
+    assert drained_while_streaming, "the old replica was not stopping while the streams ran: make them longer"
+    models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == [f"{MODEL}-v2"]
+    _wait_for(lambda: _engine_replicas().isdisjoint(old) and len(_engine_replicas()) == 1,
+              "the old replica to be gone", timeout_s=60)
+
+
+def test_a_queue_sized_by_the_readme_rule_takes_the_burst(base_url: str) -> None:
+    """README, load tests: max_queued_requests >= the client's concurrency. The burst that
+    test_overload_rejects_the_excess_fast sheds (BURST clients at once) now completes."""
+    body = {"prompt": "abc", "max_tokens": 16, "ignore_eos": True, "stream": True}
+    events = _burst(base_url, body, BURST)
+    assert [status for _, status, _ in events] == [200] * BURST, [i["body"][:200] for _, s, i in events if s != 200]
+    for _, _, info in events:
+        assert info["body"].endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' in info["body"]
