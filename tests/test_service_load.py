@@ -187,7 +187,7 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
 
 # ---- redeploys (last: they change the application's config) -----------------------------------
 
-STREAM_TOKENS = 1200  # long enough to outlive the redeploy: the old replica drains them
+STREAM_TOKENS = 2000  # long enough to outlive the redeploy: the old replica drains them
 SHORT = {"prompt": "during", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 
 
@@ -214,11 +214,6 @@ def _assert_complete(status: int, events: list[dict[str, Any]], tokens: int) -> 
     assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]] == ["length"]
 
 
-def _engine_states() -> dict[str, int]:
-    app = serve.status().applications["qkv"]
-    return dict(app.deployments["EngineDeployment"].replica_states)
-
-
 def _engine_replicas() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith("SERVE_REPLICA::qkv#EngineDeployment#")}
@@ -227,19 +222,20 @@ def _engine_replicas() -> set[str]:
 def test_a_redeploy_while_streaming_completes_every_request(base_url: str, app_args: dict[str, Any]) -> None:
     """`serve.run` of a changed config (what `serve deploy` does) while streams run: the old
     replica stops taking requests and drains its streams to the end (graceful_shutdown_timeout_s),
-    new requests go to the new replicas, and no client sees an error."""
+    new requests go to the new replica, and no client sees an error."""
     _wait_for(_idle, "an idle engine", timeout_s=60)
     old = _engine_replicas()
     long_body = {"prompt": "in flight", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0}
     # The new config: another served name (visible in /v1/models) and the queue the next test needs.
     new_args = app_args | {"served_model_name": f"{MODEL}-v2", "max_queued_requests": BURST}
     with ThreadPoolExecutor(MAX_ONGOING + 1) as pool:
-        # Both of the replica's slots (MAX_ONGOING) go to the streams: engine_stats would queue.
+        # Both of the old replica's slots (MAX_ONGOING) go to the streams, so while they run, a
+        # request that is answered was answered by the new replica.
         started = [threading.Event() for _ in range(MAX_ONGOING)]
         streams = [pool.submit(_stream_tokens, base_url, long_body, ev) for ev in started]
         _wait_for(lambda: all(ev.is_set() for ev in started), "the streams to run")
         redeploy = pool.submit(serve.run, build_app(AppArgs.model_validate(new_args)), name="qkv", route_prefix="/")
-        drained_while_streaming, during = False, 0
+        both_alive_while_streaming, served_while_draining, during = False, 0, 0
         while not redeploy.done() or during < 2:  # new requests all along, and a couple after
             body = SHORT | {"prompt": f"during {during}"}
             if during % 2:
@@ -247,18 +243,18 @@ def test_a_redeploy_while_streaming_completes_every_request(base_url: str, app_a
             else:
                 r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text[:300]
+            replicas = _engine_replicas()
+            if not any(s.done() for s in streams):
+                served_while_draining += 1
+                both_alive_while_streaming |= bool(replicas & old) and bool(replicas - old)
             if redeploy.done():
                 during += 1
-            if _engine_states().get("STOPPING") and not any(s.done() for s in streams):
-                drained_while_streaming = True
         redeploy.result()
-        while not all(s.done() for s in streams):
-            if _engine_states().get("STOPPING"):
-                drained_while_streaming = True
-            time.sleep(0.5)
         for stream in streams:
             _assert_complete(*stream.result(), STREAM_TOKENS)
-    assert drained_while_streaming, "the old replica was not stopping while the streams ran: make them longer"
+    assert both_alive_while_streaming and served_while_draining, (
+        "the redeploy did not overlap the streams (old and new replica alive while they ran, new "
+        "requests answered meanwhile): make the streams longer")
     models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
     assert [m["id"] for m in models] == [f"{MODEL}-v2"]
     _wait_for(lambda: _engine_replicas().isdisjoint(old) and len(_engine_replicas()) == 1,
