@@ -226,8 +226,11 @@ def test_a_redeploy_while_streaming_completes_every_request(base_url: str, app_a
     _wait_for(_idle, "an idle engine", timeout_s=60)
     old = _engine_replicas()
     long_body = {"prompt": "in flight", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0}
-    # The new config: another served name (visible in /v1/models) and the queue the next test needs.
-    new_args = app_args | {"served_model_name": f"{MODEL}-v2", "max_queued_requests": BURST}
+    # The new config: another served name (visible in /v1/models), the queue the next test needs,
+    # and half a CPU, so that the new replica fits next to the draining one on this 2-CPU Ray
+    # (Serve starts it while the old one drains; without room it would wait for the drain).
+    new_args = app_args | {"served_model_name": f"{MODEL}-v2", "max_queued_requests": BURST,
+                           "engine_num_cpus": 0.5}
     with ThreadPoolExecutor(MAX_ONGOING + 1) as pool:
         # Both of the old replica's slots (MAX_ONGOING) go to the streams, so while they run, a
         # request that is answered was answered by the new replica.
