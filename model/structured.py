@@ -47,6 +47,26 @@ def _regex_literal(text: str) -> str:
     return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
 
 
+def _enums_as_patterns(schema: Any) -> Any:
+    """The schema with each string `enum`/`const` holding non-ASCII text rewritten as an
+    anchored `pattern`: xgrammar 0.2.9 mis-matches such literals ("größer" accepts wrong
+    bytes), its regexes do not. Same set of valid documents."""
+    if isinstance(schema, list):
+        return [_enums_as_patterns(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _enums_as_patterns(v) for k, v in schema.items()}
+    values = out.get("enum") if "enum" in out else ([out["const"]] if "const" in out else None)
+    # Only strings JSON writes as they are (no quote, backslash or control character).
+    if (isinstance(values, list) and values and "pattern" not in out and all(isinstance(v, str) for v in values)
+            and not all(v.isascii() for v in values)
+            and not any(ch in '"\\' or ord(ch) < 0x20 for v in values for ch in v)):
+        for key in ("enum", "const", "type"):
+            out.pop(key, None)
+        out.update(type="string", pattern="^(" + "|".join(_regex_literal(v) for v in values) + ")$")
+    return out
+
+
 def _clean(exc: Exception) -> str:
     """xgrammar's error text without its timestamp and C++ source location."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -63,8 +83,8 @@ def build_grammar(spec: StructuredSpec) -> Any:
              "json_object": "json_object"}[spec.kind]
     try:
         if spec.kind == "json":
-            json.loads(spec.text)  # a clearer message than xgrammar's for text that is not JSON
-            text = str(xgr.Grammar.from_json_schema(spec.text, **_JSON_OPTIONS))
+            schema = _enums_as_patterns(json.loads(spec.text))
+            text = str(xgr.Grammar.from_json_schema(json.dumps(schema), **_JSON_OPTIONS))
             return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', **_JSON_OPTIONS)

@@ -69,6 +69,16 @@ def test_every_regex_and_choice_output_matches(byte_llm: LLM, bpe_llm: LLM) -> N
         assert len({o.text for o in outs}) > 1
 
 
+def test_non_ascii_enum_and_const_values(byte_llm: LLM) -> None:
+    schema = {"type": "object", "properties": {"w": {"enum": ["größer", "straße", "日本語"]}, "c": {"const": "é"}},
+              "required": ["w", "c"], "additionalProperties": False}
+    outs = byte_llm.generate(["Word:"] * 12, [sampled(s, json_schema=schema) for s in range(12)])
+    for out in outs:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), schema)
+    assert len({o.text for o in outs}) > 1
+
+
 def test_json_object_and_grammar(byte_llm: LLM) -> None:
     params = [SamplingParams(max_tokens=64, seed=s, json_object=True) for s in range(6)]
     outs = byte_llm.generate(["{"] * 6, params)
