@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.attention_api import add_attention_routes
 from service.errors import APIError, from_validation_error
 from service.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from service.serving import OpenAIServing, OverloadPolicy
@@ -31,7 +32,8 @@ from service.serving import OpenAIServing, OverloadPolicy
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "QKV_API_KEY"
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, probes)
+# Reachable without the API key: probes, and the explorer page (which asks the person for the key).
+OPEN_PATHS = frozenset({"/health", "/explorer", "/explorer/explorer.js", "/explorer/explorer.css"})
 HEALTH_TIMEOUT_S = 5.0
 # An oversized body is read and discarded up to this size before the 413 (see `read_model`).
 MAX_DRAIN_BYTES = 64 << 20
@@ -49,6 +51,7 @@ class IngressSettings:
     retry_after_s: float = 1.0
     admission_capacity: int = -1  # requests admitted at once (service/admission.py); -1: no limit
     request_timeout_s: float | None = None  # whole-request deadline; None: none
+    max_attention_floats: int = 1 << 20  # the most weights one /v1/attention answer may hold
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -208,6 +211,8 @@ def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) ->
         if healthy:
             return JSONResponse({"status": "ok"})
         return error_response(APIError("The engine loop is not running.", 503, "server_error"))
+
+    add_attention_routes(app, serving, settings.max_attention_floats, limit, read_model, respond)
 
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

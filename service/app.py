@@ -63,6 +63,7 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_header_bytes: int = Field(32 * 1024, ge=1024)  # path + headers; 431 past it
     request_timeout_s: float | None = Field(None, gt=0)  # whole-request deadline: aborted with a 504
+    max_attention_floats: int = Field(1 << 20, ge=1)  # the most weights one /v1/attention answer holds
     ingress_replicas: int = Field(1, ge=1)
     # reliability: how long a stopping replica (redeploy, scale-down) lets its requests finish,
     # and how long the engine may go without progress before /health and Serve's check fail
@@ -160,6 +161,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes,
         request_timeout_s=args.request_timeout_s,
+        max_attention_floats=args.max_attention_floats,
         overload_status=args.overload_status,
         retry_after_s=args.retry_after_s,
         admission_capacity=admission_capacity(args.resolved_max_ongoing(), args.max_engine_replicas(),

@@ -46,6 +46,7 @@ class ModelInfo:
     block_size: int
     tokenizer: Any  # model.tokenizer.Tokenizer (and the special tokens); picklable, so the ingress tokenizes itself
     generation_config: GenerationConfig  # sampling defaults for fields a request does not set
+    attention: Any = None  # model.attention_spec.AttentionShape: checks /v1/attention requests
 
 
 @serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
@@ -101,6 +102,7 @@ class EngineDeployment:
             block_size=runtime.block_size,
             tokenizer=self._engine.tokenizer,
             generation_config=self._engine.generation_config,
+            attention=self._engine.attention_shape,
         )
 
     async def generate(self, requests: list[SubRequest]) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
