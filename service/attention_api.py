@@ -90,7 +90,7 @@ class AttentionServing:
         shape = serving.info.attention
         if req.messages is not None:
             text = serving.chat_template.render(req.messages, req.add_generation_prompt)
-            ids = serving.token_ids(text, param="messages")
+            ids = serving.token_ids(text, param="messages", add_special_tokens=False)
         else:
             ids = serving.token_ids(req.prompt)
         spec = req.spec()
