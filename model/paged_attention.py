@@ -1,0 +1,152 @@
+"""Dot-product attention over the paged KV cache, two ways behind one set of functions.
+
+- `fused`: a C++ kernel (`csrc/paged_attention.cpp`) that reads each sequence's keys and values
+  where they lie in the block pool, with no per-layer gather copy; built with PyTorch's extension
+  mechanism on first use (or by `make install`) into a per-user cache directory.
+- `gather`: the reference: copy each sequence's blocks into a contiguous workspace, then SDPA.
+  Tests compare the two; it is also the path when the kernel cannot be built (a warning is
+  logged once) and on devices other than the CPU.
+
+Shapes: the cache is (num_blocks, block_size, Hkv, d); queries carry Hq = G * Hkv heads, query
+head i reads KV head i // G (grouped-query attention; G = 1 is plain multi-head attention).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "loaded" -> whether the kernel is usable
+
+
+def build_directory() -> Path:
+    """Where the kernel is built: `QKV_KERNEL_CACHE`, else ~/.cache/qkv-serve. The name carries
+    the torch version and a hash of this CPU's flags, since the build targets the host CPU."""
+    root = Path(os.environ.get("QKV_KERNEL_CACHE") or Path.home() / ".cache" / "qkv-serve")
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    tag = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    return root / f"paged_attention-torch{torch.__version__.replace('+', '_')}-{tag}"
+
+
+def kernel_available() -> bool:
+    """Build (first call, about a minute) or load the fused kernel; False, with one warning
+    logged, when it cannot be built (no compiler, no ninja, ...)."""
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _load()
+        return _state["loaded"]
+
+
+def _load() -> bool:
+    try:
+        from torch.utils import cpp_extension
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        _put_ninja_on_path()
+        cpp_extension.load(
+            name="qkv_paged_attention", sources=[str(_SOURCE)], build_directory=str(directory),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, verbose=False)
+        return hasattr(torch.ops.qkv_paged, "paged_attention")
+    except Exception as exc:  # any build or load failure means: use the gather path
+        logger.warning("fused paged attention unavailable, using the gather path: %s: %s",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+
+
+def _put_ninja_on_path() -> None:
+    """The build runs `ninja` from PATH; the `ninja` package installs it beside this Python,
+    which is not on PATH when the virtual environment is not activated (Ray workers, cron)."""
+    if shutil.which("ninja") is None:
+        bindir = str(Path(sys.executable).parent)
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def use_fused(device: torch.device) -> bool:
+    """Whether attention on `device` goes through the fused kernel."""
+    return device.type == "cpu" and kernel_available()
+
+
+# ---- fused ---------------------------------------------------------------------------------
+
+def fused_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_seq: torch.Tensor, num_keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (T, Hq, d); query t attends to the first num_keys[t] positions of the sequence whose
+    block table is block_tables[query_seq[t]] -> (T, Hq, d) in q's dtype."""
+    if not kernel_available():
+        raise RuntimeError("the fused paged-attention kernel could not be built; use the gather path")
+    out = torch.ops.qkv_paged.paged_attention(q.float(), k_cache, v_cache, block_tables.long(),
+                                              query_seq.long(), num_keys.long(), float(scale))
+    return out.to(q.dtype)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q (B, Hq, d), block_tables (B, W), context_lens (B,) -> (B, Hq, d)."""
+    seqs = torch.arange(q.shape[0], device=q.device)
+    return fused_attention(q, k_cache, v_cache, block_tables, seqs, context_lens, scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """A chunk of L queries at the end of a context of `context_len` cached positions (the chunk
+    included), causal: q (L, Hq, d), block_table (W,) -> (L, Hq, d)."""
+    length = q.shape[0]
+    num_keys = torch.arange(context_len - length + 1, context_len + 1, device=q.device)
+    seqs = torch.zeros(length, dtype=torch.long, device=q.device)
+    return fused_attention(q, k_cache, v_cache, block_table[None], seqs, num_keys, scale)
+
+
+# ---- gather (reference) --------------------------------------------------------------------
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous copies of sequences' K/V: block_tables (B, W) -> two (B, W * block_size, Hkv, d)."""
+    b, w = block_tables.shape
+    shape = (b, w * k_cache.shape[1], *k_cache.shape[2:])
+    flat = block_tables.reshape(-1)
+    return (torch.index_select(k_cache, 0, flat).view(shape), torch.index_select(v_cache, 0, flat).view(shape))
+
+
+def gather_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference for `paged_decode_attention`: gather, mask past each context, SDPA."""
+    k, v = gather_kv(k_cache, v_cache, block_tables)  # (B, S, Hkv, d)
+    s = int(context_lens.max())
+    k, v = k[:, :s].transpose(1, 2).to(q.dtype), v[:, :s].transpose(1, 2).to(q.dtype)  # (B, Hkv, S, d)
+    mask = (torch.arange(s, device=q.device)[None, :] < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])  # (B, Hq, 1, d)
+    return out.squeeze(2)
+
+
+def gather_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """Reference for `paged_prefill_attention`."""
+    length = q.shape[0]
+    k, v = gather_kv(k_cache, v_cache, block_table[None])  # (1, S, Hkv, d)
+    k = k[:, :context_len].transpose(1, 2).to(q.dtype)  # (1, Hkv, S, d)
+    v = v[:, :context_len].transpose(1, 2).to(q.dtype)
+    mask = torch.ones(length, context_len, dtype=torch.bool, device=q.device).tril(context_len - length)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])  # (1, Hq, L, d)
+    return out[0].transpose(0, 1)
