@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.paged_attention import paged_decode_attention, use_fused
 from model.sampling import SamplingRow, prompt_token_logprobs, sample
 from model.scheduler import ScheduledSeq
 from model.sequence import TokenLogprob
@@ -19,6 +20,10 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
+        # Decode attention reads the paged cache in place through the fused kernel where it
+        # builds (CPU); otherwise, and for additive attention, through the gather path.
+        self.fused_available = use_fused(device)
+        self.fused_decode = self.fused_available
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int]]:
         """Flatten the batch: decode tokens (one per sequence) first, then prefill chunks.
@@ -62,6 +67,8 @@ class ModelRunner:
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)  # (B, width)
         meta.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)  # (B,)
         meta.decode_max_context = max(lens)
+        if self.fused_decode:
+            meta.decode_kernel = paged_decode_attention
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], rows: list[SamplingRow],
