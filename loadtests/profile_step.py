@@ -103,13 +103,44 @@ def profile_decode(engine: Engine, batch: int, context: int, steps: int = 8) -> 
     }
 
 
-def print_profile(name: str, r: dict) -> None:
-    print(f"\n{name}: batch {r['batch']}, context ~{r['context']}: {r['step_ms']:.1f} ms a step, "
-          f"attention {r['attention_ms']:.1f} ms ({100 * r['attention_share']:.0f}%), kv write {r['kv_write_ms']:.1f} ms")
+def profile_prefill(engine: Engine, length: int, repeats: int = 4) -> dict:
+    """Profile the prefill of single `length`-token prompts (one step each, batch 1)."""
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(length)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request("warm", [rng.randrange(vocab) for _ in range(length)], params)
+    while engine.has_unfinished():
+        engine.step()
+    walls = []
+    with labelled_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(repeats):
+            engine.add_request(f"pf{i}-{time.monotonic_ns()}", [rng.randrange(vocab) for _ in range(length)], params)
+            t0 = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            walls.append(time.perf_counter() - t0)
+    events = prof.key_averages()
+    ops = sorted((e for e in events if e.key not in RANGES), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_self = sum(e.self_cpu_time_total for e in ops) / repeats / 1e3
+    best = min(walls)
+    return {
+        "prompt": length, "step_ms": best * 1e3, "tokens_per_s": length / best, "profiled_ms": total_self,
+        "ops": [{"op": e.key, "self_ms": e.self_cpu_time_total / repeats / 1e3, "calls": e.count // repeats}
+                for e in ops[:12]],
+    }
+
+
+def print_ops(r: dict) -> None:
     print(f"| {'op':<48} | {'self ms/step':>12} | {'share':>6} | {'calls':>5} |")
     print(f"|{'-' * 50}|{'-' * 14}|{'-' * 8}|{'-' * 7}|")
     for o in r["ops"]:
         print(f"| {o['op'][:48]:<48} | {o['self_ms']:>12.2f} | {100 * o['self_ms'] / r['profiled_ms']:>5.1f}% | {o['calls']:>5} |")
+
+
+def print_profile(name: str, r: dict) -> None:
+    print(f"\n{name}: batch {r['batch']}, context ~{r['context']}: {r['step_ms']:.1f} ms a step, "
+          f"attention {r['attention_ms']:.1f} ms ({100 * r['attention_share']:.0f}%), kv write {r['kv_write_ms']:.1f} ms")
+    print_ops(r)
 
 
 def main() -> None:
@@ -118,6 +149,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--context", type=int, default=270)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=256, help="prompt length of the batch-1 prefill profile (0: none)")
     ap.add_argument("--backend", default="fused,gather")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-dtype", default=None)
@@ -137,6 +169,11 @@ def main() -> None:
             r = profile_decode(llm.engine, b, args.context, args.steps) | {"backend": backend}
             print_profile(backend, r)
             results.append(r)
+    if args.prefill:
+        r = profile_prefill(llm.engine, args.prefill)
+        print(f"\nprefill of one {args.prefill}-token prompt: {r['step_ms']:.1f} ms, {r['tokens_per_s']:.0f} tok/s")
+        print_ops(r)
+        results.append(r | {"kind": "prefill"})
     print(f"\n1-minute load average at start/end: {load:.2f} / {os.getloadavg()[0]:.2f} (2 cores), "
           f"{torch.get_num_threads()} torch threads")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ from typing import Literal
 AttentionKind = Literal["dot", "additive"]
 Arch = Literal["transformer", "gpt2", "llama"]
 ROPE_SCALING_TYPES = ("linear", "llama3")
+KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 # Byte-level vocabulary: 256 byte values followed by the special tokens.
 BYTE_VOCAB = 256
@@ -162,6 +164,9 @@ class EngineConfig:
     enable_kv_cache: bool = True  # False recomputes the whole sequence each step (benchmarks only)
     # Reuse the K/V of full blocks whose tokens (and all before them) an earlier request computed.
     enable_prefix_caching: bool = True
+    # Storage type of cached keys and values; "auto" is the model's dtype. bfloat16/float16 halve
+    # the cache's memory (twice the blocks for the same bytes) and the bytes attention reads.
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -174,6 +179,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

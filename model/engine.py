@@ -75,9 +75,11 @@ class Engine:
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
         cfg.check_context(max_len)
+        kv = self.config.kv_cache_dtype
+        self.kv_cache_dtype = self.dtype if kv == "auto" else getattr(torch, kv)
         num_blocks = self._num_blocks(cfg, max_len)
         cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.kv_heads, cfg.d_head,
-                        self.dtype, self.device)
+                        self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(net, cache, self.device)
         self.attention_shape = AttentionShape.of(cfg)
         # One engine hosts one model: its identity (weights seed/architecture, attention kind,
@@ -93,14 +95,16 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(self.tokenizer.eos_token_ids))
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens", model, self.runtime.device,
-                    self.runtime.dtype, num_blocks, self.config.block_size)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", model, self.runtime.device,
+                    self.runtime.dtype, num_blocks, self.config.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."))
 
     def _num_blocks(self, cfg: ModelConfig, max_len: int) -> int:
         ec = self.config
         if ec.num_kv_blocks is not None:
             return ec.num_kv_blocks
-        per_block = KVCache.bytes_per_block(cfg.n_layers, ec.block_size, cfg.kv_heads, cfg.d_head, self.dtype)
+        per_block = KVCache.bytes_per_block(cfg.n_layers, ec.block_size, cfg.kv_heads, cfg.d_head,
+                                            self.kv_cache_dtype)
         budget = ec.kv_cache_bytes
         if budget is None:
             budget = int(ec.kv_cache_fraction * _free_memory(self.device))
