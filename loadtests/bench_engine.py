@@ -9,7 +9,9 @@ tied head, saved in bf16 by loadtests/random_checkpoint.py):
 - the engine (continuous batching over the paged KV cache);
 - the engine with the KV cache disabled (full recompute every token) on a short run;
 - batch-1 decode tokens/s;
-- roofline: measured matmul GFLOP/s and memory GB/s, and the fraction the engine reaches.
+- roofline: measured matmul GFLOP/s and memory GB/s, and the fraction the engine reaches;
+- the share of a batch-64 decode step (context ~270) spent in attention over the paged cache
+  (torch.profiler, `profile_step.py`), through the fused kernel and through the gather path.
 
     .venv/bin/python loadtests/bench_engine.py [--requests 64] [--out results/bench_engine.json]
     .venv/bin/python loadtests/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
@@ -36,6 +38,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.loading import build_preset, resolve_device  # noqa: E402
+from profile_step import profile_decode, set_backend  # noqa: E402
 from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402  (this script's folder)
 
 PRESET = "gpt2-small-random"
@@ -157,6 +160,10 @@ def extras(res: dict, llm: LLM, tmp: str, args: argparse.Namespace, prompts: lis
     del nocache
     res["decode_b64_tok_s"] = decode_rate(llm, 64, llm.engine.model_config.vocab_size, steps=16)
     res["compute_fraction_b64"] = res["decode_b64_tok_s"] * 2 * res["params"] / 1e9 / res["matmul_gflops"]
+    for backend in ("fused", "gather"):
+        if set_backend(llm.engine, backend):
+            res[f"attention_b64_{backend}"] = profile_decode(llm.engine, 64, 270)
+    set_backend(llm.engine, "fused")
 
 
 def main() -> None:
@@ -221,6 +228,11 @@ def report(r: dict) -> None:
     if "decode_b64_tok_s" in r:
         rows.append(("decode, batch 64", f"{r['decode_b64_tok_s']:.1f} tok/s",
                      f"{100 * r['compute_fraction_b64']:.0f}% of matmul peak"))
+    for backend in ("fused", "gather"):
+        if f"attention_b64_{backend}" in r:
+            a = r[f"attention_b64_{backend}"]
+            rows.append((f"batch-64 decode step, {backend} attention", f"{a['step_ms']:.1f} ms",
+                         f"attention {100 * a['attention_share']:.0f}% of the step"))
     rows += [("measured matmul peak", f"{r['matmul_gflops']:.1f} GFLOP/s", ""),
              ("measured copy bandwidth", f"{r['memory_gbs']:.1f} GB/s", "")]
     print(f"\n| {'what':<38} | {'figure':>18} | {'ratio':<26} |")
