@@ -43,6 +43,8 @@ class AttnMetadata:
     # A fused paged decode-attention kernel (see model.attention.DecodeKernel); None: the
     # reference gather path.
     decode_kernel: Callable[..., torch.Tensor] | None = None
+    # A fused prefill kernel for short chunks after a cached past (model.attention.PrefillKernel).
+    prefill_kernel: Callable[..., torch.Tensor] | None = None
     # An attention-weights capture (model.attention_maps.AttentionCapture), set only for the
     # explicit recompute of an attention request; None in every serving step.
     capture: Any = None
@@ -81,10 +83,10 @@ class KVCache:
         return 2 * n_layers * block_size * n_kv_heads * d_head * elem
 
     def update(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write this step's K/V, (T, n_kv_heads, d_head), into their slots."""
+        """Write this step's K/V, (T, n_kv_heads, d_head), into their slots, in the cache's dtype."""
         kc, vc = self.keys[layer], self.values[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(vc.dtype))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K/V of sequences: block_tables (B, nb) -> two (B, nb * block_size, H, d).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
-from model.paged_attention import paged_decode_attention, use_fused
+from model.paged_attention import paged_decode_attention, paged_prefill_attention, use_fused
 from model.sampling import SamplingRow, prompt_token_logprobs, sample
 from model.scheduler import ScheduledSeq
 from model.sequence import TokenLogprob
@@ -43,6 +43,8 @@ class ModelRunner:
             where[id(s)] = len(tokens) - 1
         pos = torch.tensor(positions, dtype=torch.long)
         meta = AttnMetadata(slot_mapping=self._slots(decode + prefill, pos), num_decode=len(decode))
+        if self.fused_decode:
+            meta.prefill_kernel = paged_prefill_attention
         if decode:
             self._decode_meta(meta, decode)
         offset = len(decode)

@@ -49,6 +49,7 @@ class AppArgs(BaseModel):
     block_size: int = Field(16, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
     prefix_aware_routing: bool = True  # with prefix caching: a shared prefix goes to the replica holding it
@@ -77,7 +78,7 @@ class AppArgs(BaseModel):
     def engine_config(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                               "kv_cache_bytes", "num_kv_blocks", "max_model_len",
-                                              "enable_prefix_caching")}
+                                              "enable_prefix_caching", "kv_cache_dtype")}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between

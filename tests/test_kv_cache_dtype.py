@@ -75,3 +75,14 @@ def test_fused_kernel_equals_gather_path_on_a_16_bit_cache() -> None:
 def test_additive_attention_runs_on_a_16_bit_cache() -> None:
     _, outs, _ = generate("transformer-base-additive", "bfloat16", fused=False)
     assert all(len(o.token_ids) == 12 for o in outs)
+
+
+def test_kv_cache_dtype_is_an_app_argument() -> None:
+    from pydantic import ValidationError
+
+    from service.app import AppArgs
+
+    assert AppArgs(kv_cache_dtype="bfloat16").engine_config()["kv_cache_dtype"] == "bfloat16"
+    assert EngineConfig(**AppArgs().engine_config()).kv_cache_dtype == "auto"
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        AppArgs(kv_cache_dtype="int8")

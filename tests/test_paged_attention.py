@@ -12,6 +12,7 @@ import torch
 
 from model import LLM, SamplingParams
 from model import paged_attention as pa
+from model import runner as runner_module
 from model.config import EngineConfig
 
 TOL_FP32 = 1e-5
@@ -138,16 +139,34 @@ def run_engine(model: str, fused: bool, prompts: list[list[int]], params: list[S
     return llm.generate(prompts, params), logits
 
 
-def test_engine_logits_and_greedy_tokens_equal_the_gather_path() -> None:
-    """A ragged batch whose prompts are chunked across steps, so that prefill chunks and decodes
-    share steps; small blocks, so contexts cross many of them and tables are scattered (blocks
-    of finished requests are reused), padded with stale entries."""
+@pytest.fixture(scope="module", params=["transformer-base", "llama-gqa"])
+def model_name(request, tmp_path_factory) -> str:
+    if request.param == "transformer-base":
+        return request.param
+    from tiny_models import write_tiny_llama  # tests/ is on the path under pytest
+
+    # 4 query heads over 2 KV heads, head size 32 (not d_model / n_heads).
+    return str(write_tiny_llama(tmp_path_factory.mktemp("llama-gqa"), head_dim=32))
+
+
+def test_engine_logits_and_greedy_tokens_equal_the_gather_path(model_name: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged batch whose prompts are chunked across steps, so that prefill chunks (long and
+    short, after a cached past) and decodes share steps; small blocks, so contexts cross many of
+    them and tables are scattered (blocks of finished requests are reused), padded with stale
+    entries. Both kernels (decode and short-chunk prefill) against the gather path."""
     rng = random.Random(5)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 70))] for _ in range(12)]
     params = [SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0, ignore_eos=True) for _ in prompts]
     kw = dict(block_size=4, max_num_batched_tokens=40, max_num_seqs=8, num_kv_blocks=160)
-    fused, fused_logits = run_engine("transformer-base", True, prompts, params, **kw)
-    gather, gather_logits = run_engine("transformer-base", False, prompts, params, **kw)
+    calls = {"decode": 0, "prefill": 0}
+    for kind in calls:
+        real = getattr(runner_module, f"paged_{kind}_attention")
+        monkeypatch.setattr(runner_module, f"paged_{kind}_attention",
+                            lambda *a, _real=real, _kind=kind: calls.__setitem__(_kind, calls[_kind] + 1) or _real(*a))
+    fused, fused_logits = run_engine(model_name, True, prompts, params, **kw)
+    assert calls["decode"] > 0 and calls["prefill"] > 0  # both kernels ran
+    gather, gather_logits = run_engine(model_name, False, prompts, params, **kw)
     assert [o.token_ids for o in fused] == [o.token_ids for o in gather]
     assert len(fused_logits) == len(gather_logits) > 30
     worst = max((a - b).abs().max().item() for a, b in zip(fused_logits, gather_logits))
