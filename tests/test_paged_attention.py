@@ -63,7 +63,7 @@ def test_decode_equals_gather_for_ragged_batches(hq: int, hkv: int, dtype: torch
 
 
 def test_decode_never_reads_past_a_context() -> None:
-    bs, hkv, d = 8, 2, 16  # d not a multiple of the vector width: the plain loops
+    bs, hkv, d = 8, 2, 12  # d not a multiple of the vector width (16): the plain loops
     lens = [5, 9, 16]
     kc, vc = make_cache(12, bs, hkv, d, torch.float32)
     tables = ragged_tables(lens, bs, 12)
@@ -80,6 +80,8 @@ def test_decode_never_reads_past_a_context() -> None:
     after = pa.paged_decode_attention(q, kc, vc, tables, ctx, 0.25)
     assert torch.isfinite(after).all()
     torch.testing.assert_close(after, before, atol=0, rtol=0)
+    kc[~keep], vc[~keep] = 0.0, 0.0
+    torch.testing.assert_close(after, pa.gather_decode_attention(q, kc, vc, tables, ctx, 0.25), atol=TOL_FP32, rtol=0)
 
 
 @pytest.mark.parametrize("length,context", [(1, 1), (7, 7), (5, 43), (40, 100)])
