@@ -110,7 +110,7 @@ class AttentionServing:
         from service.serving import _Run  # the completions' engine call, reused as it is
 
         s = self.serving
-        run = _Run(s._handle, [sub], s._overload, s._timeout_s)
+        run = _Run(s._handle, [sub], s._overload, s._gate, s._timeout_s)  # admission gate included
         maps = None
         try:
             await run.start()

@@ -83,6 +83,14 @@ def test_scale_none_and_rows_last(http: httpx.Client) -> None:
     assert torch.tensor(unscaled["attention"]).amax(-1).mean() > torch.tensor(scaled["attention"]).amax(-1).mean()
 
 
+def test_chat_messages_use_the_chat_template(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Hi 猫"}]
+    want = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    body = http.post("/v1/attention", json={"messages": messages, "rows": "last", "heads": [0]}).json()
+    assert body["token_ids"] == want and body["rows"] == [len(want) - 1]
+    assert torch.tensor(body["attention"]).shape == (6, 1, 1, len(want))
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": "x" * 80}, "layers", f"limit is {MAX_FLOATS}"),
     ({"prompt": "hi", "scale": "cosine"}, "scale", "sqrt_dk"),
