@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -72,7 +74,9 @@ class Machines:
 
     def __init__(self, tmp: Path, config_file: Path) -> None:
         self.tmp, self.config_file = tmp, config_file
-        self.temp_dir = tmp / "ray"
+        # Ray's own directory stays short: its socket paths must fit AF_UNIX's 107 bytes, which a
+        # pytest tmp path (/tmp/pytest-of-root/pytest-NNN/...) can exceed.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="qkv-ray-", dir="/tmp"))
         self.token = ""
 
     def home(self, name: str) -> Path:
@@ -165,6 +169,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         assert commands(stop) == ["ray stop"], stop
         left = machines.stop()
+        shutil.rmtree(machines.temp_dir, ignore_errors=True)
         assert not left, f"processes of the test's Ray still running: {left}"
 
 
