@@ -13,7 +13,7 @@ import torch
 
 from model import LLM, SamplingParams
 from model.checkpoint import load_model
-from tiny_models import full_logits, save_tiny_gpt2
+from tiny_models import full_logits, hf_greedy, save_tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,11 +56,7 @@ def test_logits_match_hf(checkpoint) -> None:
 def test_greedy_continuation_matches_hf(checkpoint) -> None:
     directory, hf = checkpoint
     prompt = _random_tokens(8, hf.config.vocab_size, seed=2).tolist()
-    hf.generation_config.eos_token_id = None  # the same as ignore_eos: never stop early
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=0)
-    expected = ref[0, len(prompt):].tolist()
+    expected = hf_greedy(hf, prompt, GREEDY_TOKENS)
     assert len(expected) == GREEDY_TOKENS
     llm = LLM(str(directory), device="cpu", dtype="float32")
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)

@@ -20,7 +20,7 @@ from model.checkpoint import CheckpointError, load_model
 from model.config import EngineConfig, ModelConfig
 from model.engine import Engine
 from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
-from tiny_models import full_logits, write_tiny_llama
+from tiny_models import full_logits, hf_greedy, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,11 +53,7 @@ def case(request, tmp_path_factory) -> tuple[Path, "transformers.PreTrainedModel
     hf_cls = getattr(transformers, HF_CLASSES[arch])
     hf = hf_cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
     prompt = torch.randint(0, hf.config.vocab_size, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    hf.generation_config.eos_token_id = None  # the same as ignore_eos: never stop early
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=GREEDY_TOKENS, do_sample=False, pad_token_id=0)
-    expected = ref[0, len(prompt):].tolist()
+    expected = hf_greedy(hf, prompt, GREEDY_TOKENS)
     assert len(expected) == GREEDY_TOKENS
     return directory, hf, prompt, expected
 

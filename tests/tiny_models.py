@@ -102,6 +102,15 @@ LLAMA_FAMILY = {  # our short name -> (config class, model class) in transformer
 }
 
 
+def hf_greedy(hf: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of `prompt`, never stopping at an EOS (our ignore_eos)."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return ref[0, len(prompt):].tolist()
+
+
 def build_tiny_llama(arch: str = "llama", seed: int = 0, **overrides):
     """A random Llama-family `transformers` model (eval mode, fp32, eager attention), the same
     for one seed. Defaults: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 301, 128 positions,
