@@ -31,8 +31,7 @@ class ModelRunner:
         Returns tokens (T,), positions (T,), metadata, and the flat index of the last token
         of each sequence that samples this step (in `batch` order).
         """
-        decode = [s for s in batch if s.num_new_tokens == 1]
-        prefill = [s for s in batch if s.num_new_tokens != 1]
+        decode, prefill = _split(batch)
         tokens: list[int] = []
         positions: list[int] = []
         where: dict[int, int] = {}  # id(ScheduledSeq) -> flat index of its last token
@@ -91,9 +90,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor,
                          out: dict[str, list[TokenLogprob]]) -> None:
-        # prepare() lays the batch out as decode tokens (one each) first, then prefill chunks.
+        decode, prefill = _split(batch)  # the flat layout prepare() built
         flat = 0
-        for s in [s for s in batch if s.num_new_tokens == 1] + [s for s in batch if s.num_new_tokens != 1]:
+        for s in decode + prefill:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             stop = min(start + n, seq.num_prompt_tokens - 1)  # positions that predict a prompt token
             if seq.params.prompt_logprobs is not None and start < stop:
@@ -101,3 +100,8 @@ class ModelRunner:
                 targets = seq.prompt_token_ids[start + 1:stop + 1]
                 out[seq.request_id] = prompt_token_logprobs(logits, targets, seq.params.prompt_logprobs)
             flat += n
+
+
+def _split(batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+    """Decode sequences (one new token each), then prefill chunks: the order of the flat batch."""
+    return [s for s in batch if s.num_new_tokens == 1], [s for s in batch if s.num_new_tokens != 1]
