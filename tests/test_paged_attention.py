@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,7 +105,7 @@ def test_bad_shapes_are_refused_with_a_message() -> None:
         pa.paged_decode_attention(torch.randn(1, 3, 8), kc, vc, tables, torch.tensor([3]), 1.0)
 
 
-def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     from torch.utils import cpp_extension
 
@@ -112,6 +113,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPa
         raise OSError("g++: not found")
 
     saved = dict(pa._state)
+    monkeypatch.setenv("QKV_KERNEL_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     pa._state.clear()
     try:
@@ -120,6 +122,33 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPa
             assert not pa.use_fused(torch.device("cpu"))
         assert [r.getMessage() for r in caplog.records] == [
             "fused paged attention unavailable, using the gather path: OSError: g++: not found"]
+    finally:
+        pa._state.clear()
+        pa._state.update(saved)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_one(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """torch's build lock is a plain file: a build killed midway leaves it, and torch would wait
+    for it forever (an engine that never starts). The next build removes it first."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("QKV_KERNEL_CACHE", str(tmp_path))
+    directory = pa.build_directory()
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()
+    seen: list[bool] = []
+
+    def build(*args, **kwargs):
+        seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        raise OSError("stop here")
+
+    saved = dict(pa._state)
+    monkeypatch.setattr(cpp_extension, "load", build)
+    pa._state.clear()
+    try:
+        assert not pa.kernel_available()
+        assert seen == [False]
     finally:
         pa._state.clear()
         pa._state.update(saved)
