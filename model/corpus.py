@@ -1,7 +1,8 @@
 """The training corpus of the default model: text that every Python installation carries.
 
-The documentation of the standard library, rendered as plain text by `pydoc` (the same text
-`help(module)` shows), plus the project's own README and docs. Nothing is downloaded. The
+The project's own README and docs, then the documentation of the standard library rendered as
+plain text by `pydoc` (the same text `help(module)` shows), so that the tail a trainer holds out
+for validation is standard-library text, unchanged when the project's documents are edited. Nothing is downloaded. The
 output is deterministic for one Python version: modules are taken in sorted order, and
 what varies between machines or runs (file paths, memory addresses) is stripped.
 
@@ -87,19 +88,19 @@ def clean(text: str) -> str:
 def build(modules: list[str], project_root: Path | None) -> tuple[str, dict]:
     """The corpus text and its manifest (sources, sizes, sha256, Python version, license)."""
     parts: list[str] = []
+    docs: list[str] = []
+    if project_root is not None:  # first, so that the held-out tail is standard-library text only
+        for rel in PROJECT_DOCS:
+            path = project_root / rel
+            if path.is_file():
+                parts.append(path.read_text(encoding="utf-8"))
+                docs.append(rel)
     used: list[str] = []
     for name in modules:
         text = render_module(name)
         if text:
             parts.append(text)
             used.append(name)
-    docs: list[str] = []
-    if project_root is not None:
-        for rel in PROJECT_DOCS:
-            path = project_root / rel
-            if path.is_file():
-                parts.append(path.read_text(encoding="utf-8"))
-                docs.append(rel)
     corpus = SEPARATOR.join(parts)
     data = corpus.encode("utf-8")
     manifest = {
