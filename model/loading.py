@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,6 +18,21 @@ from model.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Presets with trained weights, shipped inside the package (half precision) and loaded like any
+# checkpoint directory. `python -m model.train` made them; the directory's training.json says how.
+TRAINED_PRESETS: dict[str, Path] = {
+    "transformer-base-trained": Path(__file__).resolve().parent / "weights" / "transformer-base-trained",
+}
+
+
+def preset_names() -> list[str]:
+    """Every preset a `model` argument may name: the seeded random ones, then the trained ones."""
+    return [*PRESETS, *TRAINED_PRESETS]
+
+
+def is_preset(model: str) -> bool:
+    return model in PRESETS or model in TRAINED_PRESETS
 
 
 def resolve_device(device: str) -> torch.device:
@@ -48,6 +64,8 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint: torch.dtype | No
 
 def model_dtype(model: str) -> torch.dtype | None:
     """The dtype a checkpoint directory's weights are stored in (None for presets and unknowns)."""
+    if model in TRAINED_PRESETS:
+        model = str(TRAINED_PRESETS[model])
     if model in PRESETS or not os.path.isdir(model):
         return None
     from model.checkpoint import CheckpointError, checkpoint_dtype
@@ -61,7 +79,7 @@ def model_dtype(model: str) -> torch.dtype | None:
 def build_preset(name: str) -> nn.Module:
     """A preset's model with its seeded random weights, in float32 on the CPU."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown random-weight preset {name!r}; presets: {', '.join(PRESETS)}")
     cfg = PRESETS[name]
     model = build_model(cfg)
     model.init_weights(cfg.init_seed)
@@ -69,13 +87,20 @@ def build_preset(name: str) -> nn.Module:
 
 
 def resolve_model(model: str, revision: str | None = None) -> str:
-    """A preset name as it is; a checkpoint directory or an HF hub id (at `revision`, see
-    `model.hub`) -> the checkpoint directory. Raises ValueError for anything else."""
+    """A random preset's name as it is; a trained preset, a checkpoint directory or an HF hub
+    id (at `revision`, see `model.hub`) -> the checkpoint directory. Raises ValueError for
+    anything else."""
     if model in PRESETS:
         return model
+    if model in TRAINED_PRESETS:
+        directory = TRAINED_PRESETS[model]
+        if not (directory / "model.safetensors").is_file():
+            raise ValueError(f"the weights of preset {model!r} are missing from {directory} (an incomplete "
+                             "installation or checkout)")
+        return str(directory)
     directory = resolve_model_dir(model, revision)
     if directory is None:
-        raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), a checkpoint directory or an HF hub "
+        raise ValueError(f"model must be a preset ({', '.join(preset_names())}), a checkpoint directory or an HF hub "
                          f"id (org/name); {model!r} is none of these")
     return directory
 

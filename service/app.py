@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from model.config import PRESETS, EngineConfig
+from model.config import EngineConfig
 from model.hub import is_hub_id
+from model.loading import is_preset
 from service.admission import admission_capacity
 from service.api import API_KEY_ENV, IngressSettings, OpenAIIngress
 from service.engine_deployment import EngineDeployment
@@ -35,7 +36,7 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = "transformer-base"  # a preset name, a checkpoint directory or an HF hub id (org/name)
+    model: str = "transformer-base-trained"  # a preset name, a checkpoint directory or an HF hub id (org/name)
     revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
     served_model_name: str | None = None  # the `model` clients send; default: preset, hub id or directory name
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"  # auto: one GPU per replica if the cluster has GPUs
@@ -66,6 +67,9 @@ class AppArgs(BaseModel):
     request_timeout_s: float | None = Field(None, gt=0)  # whole-request deadline: aborted with a 504
     max_attention_floats: int = Field(1 << 20, ge=1)  # the most weights one /v1/attention answer holds
     ingress_replicas: int = Field(1, ge=1)
+    # streaming: the engine replica sends each request's new tokens at most this often (merged),
+    # instead of one message per step; 0 sends every step's as it comes (see the README's figures)
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000)
     # reliability: how long a stopping replica (redeploy, scale-down) lets its requests finish,
     # and how long the engine may go without progress before /health and Serve's check fail
     graceful_shutdown_timeout_s: float = Field(300.0, ge=0)
@@ -93,7 +97,7 @@ class AppArgs(BaseModel):
     def resolved_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        if self.model in PRESETS or (is_hub_id(self.model) and not os.path.isdir(self.model)):
+        if is_preset(self.model) or (is_hub_id(self.model) and not os.path.isdir(self.model)):
             return self.model  # as vLLM names a hub model: "org/name"
         return Path(self.model.rstrip("/")).name
 
@@ -156,6 +160,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         engine_wrapper=engine_wrapper,
         revision=args.revision,
         stall_timeout_s=args.stall_timeout_s,
+        stream_interval_ms=args.stream_interval_ms,
     )
     settings = IngressSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -1,5 +1,6 @@
 """`POST /v1/attention` and the explorer page end to end: one Serve instance of the paper's
-Transformer (transformer-base, d_k = 64) with an API key; the page driven in headless Chromium."""
+Transformer (the trained default, transformer-base-trained, d_k = 64) with an API key; the page
+driven in headless Chromium."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from serve_fixtures import in_ci
 
 HTTP_PORT = 19510
 API_KEY = "explorer-test-key"
-MODEL = "transformer-base"
+MODEL = "transformer-base-trained"  # the default model: its heads learned something to show
 MAX_FLOATS = 200_000
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

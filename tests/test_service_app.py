@@ -14,7 +14,8 @@ def test_command_line_strings_are_converted() -> None:
     args = AppArgs.model_validate({"model": "/ckpts/my-model/", "max_num_seqs": "8", "accelerator": "cpu"})
     assert args.max_num_seqs == 8
     assert args.resolved_name() == "my-model"
-    assert AppArgs().resolved_name() == "transformer-base"
+    assert AppArgs().resolved_name() == "transformer-base-trained"  # the default model is a preset
+    assert AppArgs(model="transformer-base").resolved_name() == "transformer-base"
     assert AppArgs(served_model_name="x").resolved_name() == "x"
 
 
