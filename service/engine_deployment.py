@@ -65,6 +65,7 @@ class EngineDeployment:
         engine_wrapper: Callable[[Any], Any] | None = None,
         revision: str | None = None,
         stall_timeout_s: float = 60.0,
+        stream_interval_ms: float = 0.0,
     ) -> None:
         from model.engine import Engine  # heavy import; keeps this module importable without it
 
@@ -81,6 +82,7 @@ class EngineDeployment:
             self._engine = engine_wrapper(self._engine)
         self._served_model_name = served_model_name
         self._stall_timeout_s = stall_timeout_s
+        self._stream_interval_s = stream_interval_ms / 1000.0
         self._metrics = EngineMetrics(served_model_name)
         self._loop = EngineLoop(self._engine)
         self._loop.start()
@@ -107,7 +109,9 @@ class EngineDeployment:
 
     async def generate(self, requests: list[SubRequest]) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
         """Stream the deltas of `requests` (the choices of one HTTP request) as they come out
-        of the steps; several steps are merged when the caller reads slower than they come.
+        of the steps; several steps are merged when the caller reads slower than they come,
+        and, with `stream_interval_ms`, into one message per interval at most (the first goes
+        out at once), which cuts the messages per token on the way to the client.
         An `EngineFailure` is the last item when the requests cannot go on."""
         if any(r.params.structured is not None for r in requests):
             try:  # compiled (or found cached) here, off the step thread, so the batch never waits for it
@@ -119,10 +123,12 @@ class EngineDeployment:
         self._waiting.add(sink)
         pending = {r.request_id for r in requests}
         last_token_time: dict[str, float | None] = dict.fromkeys(pending)
+        clock = asyncio.get_running_loop()
+        not_before = 0.0  # event-loop time of the next message
         try:
             while pending:
                 batch: list[RequestOutput] = []
-                for item in await sink.get_all():
+                for item in await sink.get_all(not_before):
                     if isinstance(item, EngineFailure):
                         if batch:
                             yield batch
@@ -134,6 +140,7 @@ class EngineDeployment:
                     if out.finished:
                         pending.discard(out.request_id)
                 yield batch
+                not_before = clock.time() + self._stream_interval_s
         finally:
             # Reached on normal completion, on cancellation (client gone) and on aclose().
             self._waiting.discard(sink)

@@ -59,9 +59,14 @@ class _Sink:
         """Add an item from the sink's own event loop."""
         self._queue.put_nowait(item)
 
-    async def get_all(self) -> list[list[RequestOutput] | EngineFailure]:
+    async def get_all(self, not_before: float = 0.0) -> list[list[RequestOutput] | EngineFailure]:
         """Wait for one item, then take everything already queued, so a slow consumer
-        gets several steps at once instead of falling behind."""
+        gets several steps at once instead of falling behind. A caller that paces its reads
+        passes `not_before` (event-loop time): nothing is taken before then, so everything
+        the steps delivered meanwhile comes out in one list."""
+        delay = not_before - self._loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
         items = [await self._queue.get()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())

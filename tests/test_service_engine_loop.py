@@ -55,6 +55,33 @@ def test_outputs_reach_asyncio_in_order(engine: Engine) -> None:
     asyncio.run(run())
 
 
+def test_a_paced_reader_gets_the_steps_delivered_meanwhile_in_one_read(engine: Engine) -> None:
+    """What `stream_interval_ms` relies on: reading no earlier than `not_before` returns every
+    step's deltas that arrived meanwhile, in order, none lost."""
+    async def run() -> None:
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            clock = asyncio.get_running_loop()
+            params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            sink = loop.submit([SubRequest("p", [1, 2, 3], params)])
+            reads: list[list[Any]] = []
+            not_before = 0.0
+            while not reads or not reads[-1][-1].finished:
+                items = await asyncio.wait_for(sink.get_all(not_before), 60)
+                assert clock.time() >= not_before
+                reads.append([out for item in items for out in item])
+                not_before = clock.time() + 0.2
+            deltas = [out for read in reads for out in read]
+            assert sum(len(d.new_token_ids) for d in deltas) == 24
+            assert [d.num_output_tokens for d in deltas] == sorted(d.num_output_tokens for d in deltas)
+            assert len(reads) < len(deltas) and max(len(r) for r in reads) > 1, [len(r) for r in reads]
+        finally:
+            loop.stop()
+
+    asyncio.run(run())
+
+
 def test_abort_frees_blocks_within_a_step(engine: Engine) -> None:
     async def run() -> None:
         loop = EngineLoop(engine)
