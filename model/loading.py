@@ -64,8 +64,6 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint: torch.dtype | No
 
 def model_dtype(model: str) -> torch.dtype | None:
     """The dtype a checkpoint directory's weights are stored in (None for presets and unknowns)."""
-    if model in TRAINED_PRESETS:
-        model = str(TRAINED_PRESETS[model])
     if model in PRESETS or not os.path.isdir(model):
         return None
     from model.checkpoint import CheckpointError, checkpoint_dtype

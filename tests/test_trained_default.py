@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from model import LLM, SamplingParams
-from model.checkpoint import checkpoint_dtype, load_model
+from model.checkpoint import checkpoint_dtype
 from model.config import PRESETS, EngineConfig
 from model.corpus import build, stdlib_modules
 from model.loading import TRAINED_PRESETS, preset_names
@@ -68,13 +68,12 @@ def test_its_text_reads_like_the_corpus(llm: LLM) -> None:
     assert wordish > 0.85 and len(words) >= 5, text
 
 
-def test_held_out_corpus_loss_is_below_the_bound() -> None:
+def test_held_out_corpus_loss_is_below_the_bound(llm: LLM) -> None:
     text, _ = build(stdlib_modules()[-12:], None)  # the last modules: they end the corpus
     data = text.encode("utf-8")
     assert len(data) >= HELD_OUT_BYTES, len(data)
     ids = torch.frombuffer(bytearray(data[-HELD_OUT_BYTES:]), dtype=torch.uint8).long()
-    _, net = load_model(DIRECTORY, dtype=torch.float32)
-    net.eval()
+    net = llm.engine.runner.model  # the served weights, fp16 on disk, float32 here
     seq = 256
     windows = ids[: (len(ids) - 1) // seq * seq + 1]
     starts = range(0, len(windows) - seq, seq)
