@@ -44,7 +44,7 @@ from bench_engine import PRESET, workload  # noqa: E402
 
 from model.checkpoint import save_model  # noqa: E402
 from model.config import PRESETS, EngineConfig  # noqa: E402
-from model.engine import Engine  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
 from model.loading import build_preset  # noqa: E402
 from model.sampling_params import SamplingParams  # noqa: E402
 from local_serve import local_service  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import LLM, SamplingParams  # noqa: E402
 from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.engine import Engine  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
 from model.kv_cache import KVCache  # noqa: E402
 from model.loading import build_preset  # noqa: E402
 

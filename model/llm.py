@@ -11,9 +11,9 @@ import torch
 from model.attention_maps import AttentionMaps
 from model.attention_spec import AttentionSpec
 from model.config import EngineConfig
-from model.engine import Engine
+from model.engine.engine import Engine
 from model.sampling_params import SamplingParams
-from model.sequence import TokenLogprob
+from model.engine.sequence import TokenLogprob
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.sampling_params import SamplingParams
-from model.sequence import TokenLogprob
+from model.engine.sequence import TokenLogprob
 
 
 @dataclass

@@ -25,7 +25,7 @@ from ray import serve
 
 from model.config import EngineConfig
 from model.generation_config import GenerationConfig
-from model.sequence import RequestOutput
+from model.engine.sequence import RequestOutput
 from service.engine_loop import EngineFailure, EngineLoop, SubRequest
 from service.metrics import EngineMetrics
 
@@ -67,7 +67,7 @@ class EngineDeployment:
         stall_timeout_s: float = 60.0,
         stream_interval_ms: float = 0.0,
     ) -> None:
-        from model.engine import Engine  # heavy import; keeps this module importable without it
+        from model.engine.engine import Engine  # heavy import; keeps this module importable without it
 
         if torch_threads:
             # The step thread is the only torch user here; Ray's default of OMP_NUM_THREADS=1

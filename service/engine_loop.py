@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.sampling_params import SamplingParams
-from model.sequence import RequestOutput
+from model.engine.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import logging
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from model.sequence import RequestOutput
+from model.engine.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.sequence import RequestOutput, TokenLogprob
+from model.engine.sequence import RequestOutput, TokenLogprob
 
 
 @dataclass

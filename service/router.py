@@ -22,7 +22,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from model.block_manager import block_hashes
+from model.engine.block_manager import block_hashes
 
 logger = logging.getLogger(__name__)
 

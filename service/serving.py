@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from model.request_checks import RequestError, check_request, check_token_ids
 from model.sampling_params import SamplingParams
-from model.sequence import RequestOutput
+from model.engine.sequence import RequestOutput
 from model.structured import check_structured
 from service.admission import AdmissionGate
 from service.chat import ChatTemplate

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from model.sampling_params import SamplingParams
-from model.sequence import RequestOutput
+from model.engine.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 

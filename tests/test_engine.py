@@ -9,7 +9,7 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine import Engine
+from model.engine.engine import Engine
 
 MODEL = "transformer-base"
 KV_BYTES = 64 << 20

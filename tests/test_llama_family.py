@@ -18,7 +18,7 @@ import torch
 from model import LLM, SamplingParams
 from model.checkpoint import CheckpointError, load_model
 from model.config import EngineConfig, ModelConfig
-from model.engine import Engine
+from model.engine.engine import Engine
 from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from tiny_models import full_logits, hf_greedy, write_tiny_llama
 

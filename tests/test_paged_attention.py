@@ -13,7 +13,7 @@ import torch
 
 from model import LLM, SamplingParams
 from model import paged_attention as pa
-from model import runner as runner_module
+from model.engine import runner as runner_module
 from model.config import EngineConfig
 
 TOL_FP32 = 1e-5

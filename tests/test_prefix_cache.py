@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from model.block_manager import BlockManager, block_hashes
+from model.engine.block_manager import BlockManager, block_hashes
 from model.sampling_params import SamplingParams
-from model.scheduler import Scheduler
-from model.sequence import Sequence, SeqStatus
+from model.engine.scheduler import Scheduler
+from model.engine.sequence import Sequence, SeqStatus
 
 BS = 4
 

@@ -10,7 +10,7 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine import Engine
+from model.engine.engine import Engine
 
 KV_BYTES = 32 << 20
 SYSTEM = list(b"You are a careful assistant. Answer briefly and never make things up. ")  # 70 tokens

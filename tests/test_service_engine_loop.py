@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from model.config import EngineConfig
-from model.engine import Engine
+from model.engine.engine import Engine
 from model.sampling_params import SamplingParams
 from service.admission import AdmissionGate, admission_capacity
 from service.api import IngressSettings, build_api

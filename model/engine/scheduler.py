@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from model.block_manager import BlockManager
-from model.sequence import Sequence, SeqStatus
+from model.engine.block_manager import BlockManager
+from model.engine.sequence import Sequence, SeqStatus
 
 
 @dataclass

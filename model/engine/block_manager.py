@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from model.sequence import Sequence
+from model.engine.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
