@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# Build the fused paged-attention kernel now rather than on the first request (about a
 	# minute; without a compiler the engine logs a warning and uses the gather path).
-	$(PY) -c "import model.paged_attention as p; p.kernel_available()"
+	$(PY) -c "import model.layers.paged_attention as p; p.kernel_available()"
 	touch $@
 
 install: $(VENV)/.installed

@@ -24,7 +24,7 @@ def measure(impl: str, n: int, mode: str, repeats: int) -> dict:
     """Runs in the child: time and peak extra memory of one attention call."""
     import torch
 
-    from model.attention import AdditiveScore, DotScore
+    from model.layers.attention import AdditiveScore, DotScore
 
     torch.manual_seed(0)
     score = AdditiveScore(H, D) if impl == "additive" else DotScore()

@@ -30,7 +30,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
-from model.kv_cache import KVCache  # noqa: E402
+from model.layers.kv_cache import KVCache  # noqa: E402
 from model.loading import build_preset  # noqa: E402
 
 RANGES = ("attention", "kv write")
@@ -39,7 +39,7 @@ RANGES = ("attention", "kv write")
 @contextlib.contextmanager
 def labelled_ranges() -> Iterator[None]:
     """Wrap the attention-over-cache call and the cache write in named profiler ranges."""
-    import model.attention as attention
+    import model.layers.attention as attention
 
     owner = next(c for c in vars(attention).values() if isinstance(c, type) and hasattr(c, "_decode"))
     saved = owner._decode, KVCache.update

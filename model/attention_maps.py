@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention import AdditiveScore
 from model.attention_spec import AttentionShape, AttentionSpec
-from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.layers.attention import AdditiveScore
+from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 
 ADDITIVE_CHUNK_ELEMS = 1 << 22  # bound on the (R, h, S, d) tanh features built at once
 

@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import DotScore, PagedAttention
 from model.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
-from model.kv_cache import AttnMetadata, KVCache
-from model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from model.layers.attention import DotScore, PagedAttention
+from model.layers.kv_cache import AttnMetadata, KVCache
+from model.layers.mlp import GatedMLP
+from model.layers.norms import RMSNorm
+from model.layers.positions import RotaryEmbedding
 from model.weight_map import ArchitectureSpec, CheckpointError, TensorSpec, identity_map
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, head_dim) each

@@ -12,8 +12,8 @@ from model.attention_maps import AttentionMaps
 from model.attention_spec import AttentionSpec
 from model.config import EngineConfig
 from model.engine.engine import Engine
-from model.sampling_params import SamplingParams
 from model.engine.sequence import TokenLogprob
+from model.sampling_params import SamplingParams
 
 
 @dataclass

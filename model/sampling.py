@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.sampling_params import SamplingParams
 from model.engine.sequence import TokenLogprob
+from model.sampling_params import SamplingParams
 
 
 @dataclass

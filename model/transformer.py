@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import MultiHeadAttention
 from model.config import ModelConfig
-from model.kv_cache import AttnMetadata, KVCache
-from model.layers import FeedForward, PerDevice, sinusoidal_table
+from model.layers.attention import MultiHeadAttention
+from model.layers.kv_cache import AttnMetadata, KVCache
+from model.layers.mlp import FeedForward
+from model.layers.positions import PerDevice, sinusoidal_table
 from model.weight_map import ArchitectureSpec, identity_map
 
 

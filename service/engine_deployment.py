@@ -24,8 +24,8 @@ import torch
 from ray import serve
 
 from model.config import EngineConfig
-from model.generation_config import GenerationConfig
 from model.engine.sequence import RequestOutput
+from model.generation_config import GenerationConfig
 from service.engine_loop import EngineFailure, EngineLoop, SubRequest
 from service.metrics import EngineMetrics
 

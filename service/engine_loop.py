@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from model.sampling_params import SamplingParams
 from model.engine.sequence import RequestOutput
+from model.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from model.engine.sequence import RequestOutput
 from model.request_checks import RequestError, check_request, check_token_ids
 from model.sampling_params import SamplingParams
-from model.engine.sequence import RequestOutput
 from model.structured import check_structured
 from service.admission import AdmissionGate
 from service.chat import ChatTemplate

@@ -13,8 +13,8 @@ import logging
 import time
 from typing import Any
 
-from model.sampling_params import SamplingParams
 from model.engine.sequence import RequestOutput
+from model.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from model.generation_config import GenerationConfig
 from model.engine.sequence import RequestOutput, RequestTimes
+from model.generation_config import GenerationConfig
 from service.api import IngressSettings, build_api
 from service.engine_deployment import ModelInfo
 from service.engine_loop import SubRequest

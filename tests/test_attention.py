@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from model.attention import ADDITIVE_CHUNK_ELEMS, AdditiveScore
 from model.config import PRESETS
-from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.layers.attention import ADDITIVE_CHUNK_ELEMS, AdditiveScore
+from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.loading import build_preset
 
 # fp32 logits of the 6-layer base model agree to this between the two paths.
@@ -82,7 +82,7 @@ def test_additive_attention_chunks_long_prefills(monkeypatch) -> None:
     whole = score.attend(q, k, v, None, causal_offset=0)
     built: list[int] = []
     real_tanh = torch.tanh
-    monkeypatch.setattr("model.attention.ADDITIVE_CHUNK_ELEMS", 2 * 40 * 8 * 5)  # 5 queries per chunk
+    monkeypatch.setattr("model.layers.attention.ADDITIVE_CHUNK_ELEMS", 2 * 40 * 8 * 5)  # 5 queries per chunk
     monkeypatch.setattr(torch, "tanh", lambda x: built.append(x.numel()) or real_tanh(x))
     chunked = score.attend(q, k, v, None, causal_offset=0)
     assert torch.allclose(whole, chunked, atol=1e-6)

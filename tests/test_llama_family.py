@@ -19,7 +19,7 @@ from model import LLM, SamplingParams
 from model.checkpoint import CheckpointError, load_model
 from model.config import EngineConfig, ModelConfig
 from model.engine.engine import Engine
-from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from tiny_models import full_logits, hf_greedy, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")

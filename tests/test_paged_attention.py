@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from model import LLM, SamplingParams
-from model import paged_attention as pa
-from model.engine import runner as runner_module
 from model.config import EngineConfig
+from model.engine import runner as runner_module
+from model.layers import paged_attention as pa
 
 TOL_FP32 = 1e-5
 
@@ -117,7 +117,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     pa._state.clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="model.paged_attention"):
+        with caplog.at_level(logging.WARNING, logger="model.layers.paged_attention"):
             assert not pa.use_fused(torch.device("cpu"))
             assert not pa.use_fused(torch.device("cpu"))
         assert [r.getMessage() for r in caplog.records] == [

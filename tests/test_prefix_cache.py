@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from model.engine.block_manager import BlockManager, block_hashes
-from model.sampling_params import SamplingParams
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import Sequence, SeqStatus
+from model.sampling_params import SamplingParams
 
 BS = 4
 

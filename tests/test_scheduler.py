@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from model.engine.block_manager import BlockManager, blocks_for
-from model.sampling_params import SamplingParams
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import Sequence, SeqStatus
+from model.sampling_params import SamplingParams
 
 
 def seq(rid: str, n_prompt: int, max_tokens: int = 8) -> Sequence:

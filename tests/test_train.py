@@ -13,7 +13,7 @@ import torch
 
 from model.config import ModelConfig
 from model.corpus import build, clean
-from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.train import TrainConfig, lr_at, split_bytes, train
 from model.transformer import Transformer
 
@@ -102,7 +102,7 @@ def test_build_includes_the_project_documents() -> None:
 
 def test_unscaled_dot_attention_only_drops_one_over_sqrt_dk() -> None:
     """The ablation of loadtests/attention_claims.py: scores are q.k instead of q.k / sqrt(d_k)."""
-    from model.attention import DotScore
+    from model.layers.attention import DotScore
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 16, generator=gen) for _ in range(3))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from model.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from torch import nn
 
 EOS_TOKEN = "<|endoftext|>"

@@ -13,16 +13,16 @@ import torch
 
 from model.attention_maps import capture_attention
 from model.attention_spec import AttentionShape, check_attention
-from model.engine.block_manager import BlockManager, blocks_for
 from model.config import EngineConfig, ModelConfig, RuntimeInfo
-from model.kv_cache import KVCache
-from model.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
-from model.request_checks import check_request
+from model.engine.block_manager import BlockManager, blocks_for
 from model.engine.runner import ModelRunner
-from model.sampling import SamplingRow
-from model.sampling_params import SamplingParams
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
+from model.layers.kv_cache import KVCache
+from model.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
+from model.request_checks import check_request
+from model.sampling import SamplingRow
+from model.sampling_params import SamplingParams
 from model.structured import GrammarConstraint, StructuredOutputs
 from model.tokenizer import IncrementalDetokenizer
 

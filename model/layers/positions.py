@@ -1,5 +1,5 @@
-"""Building blocks shared by the architecture families: position encodings (sinusoidal,
-rotary), RMSNorm, and the two MLP shapes (act(x W1) W2, and SwiGLU).
+"""Position encodings shared by the architecture families: the paper's sinusoids and rotary
+embeddings (RoPE, with Llama 3's and linear frequency scaling).
 
 Constant tables (sinusoids, rotary frequencies) are computed in float32 on the CPU and are
 not buffers: `model.to(dtype)` and loading onto the meta device leave them exact.
@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelConfig, RopeScaling
+from model.config import RopeScaling
 
 
 class PerDevice:
@@ -78,45 +77,3 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32 (as HF Llama does)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class FeedForward(nn.Module):
-    """FFN(x) = act(x W1 + b1) W2 + b2: d_model -> d_ff -> d_model (ReLU, or GELU for GPT-2)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.gelu = cfg.activation == "gelu_tanh"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        h = F.gelu(h, approximate="tanh") if self.gelu else F.relu(h)
-        return self.proj(h)
-
-
-class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), d_model -> d_ff -> d_model."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -7,7 +7,7 @@
 
 `PagedAttention` is the seam every architecture calls: it writes this step's K/V into the
 cache and attends each query over its sequence's cached past. Decoding runs through the
-reference gather path, or through a fused kernel (`DecodeKernel`, model/paged_attention.py)
+reference gather path, or through a fused kernel (`DecodeKernel`, model/layers/paged_attention.py)
 that the runner puts in the step's metadata. A prefill chunk with nothing cached before it
 attends to its own fresh K/V (no cache read); a short chunk after a cached past goes through
 the fused kernel when there is one (`PrefillKernel`), a longer one through the gather path,
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
-from model.kv_cache import AttnMetadata, KVCache
+from model.layers.kv_cache import AttnMetadata, KVCache
 
 # A fused decode kernel: (q (B, Hq, d), k_cache, v_cache (num_blocks, block_size, Hkv, d),
 # block_tables (B, W) long, context_lens (B,) long, scale) -> (B, Hq, d).
