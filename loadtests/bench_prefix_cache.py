@@ -37,8 +37,8 @@ from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.config import PRESETS  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
+from model.models.transformer import Transformer  # noqa: E402
 from model.sampling_params import SamplingParams  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
 
 VOCAB = 256  # byte ids; the byte tokenizer's EOS (256) is never drawn
 

@@ -1,7 +1,7 @@
 """HF-style checkpoint directories: `config.json` + `model.safetensors` (or shards listed in
 `model.safetensors.index.json`), read and written without `transformers`.
 
-The architecture (`config.json`'s `architectures[0]`) picks a spec from `model.registry`:
+The architecture (`config.json`'s `architectures[0]`) picks a spec from `model.models.registry`:
 its config parser and its weight-name map (our parameter name -> the checkpoint's tensor).
 Weights are copied tensor by tensor into a model allocated once at the target dtype, so
 loading a bf16 checkpoint into float32 peaks near one float32 copy of the model plus one tensor.
@@ -21,9 +21,9 @@ from torch import nn
 from tqdm import tqdm
 
 from model.config import ModelConfig
-from model.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of, build_model
+from model.models.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of, build_model
+from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec
 from model.weight_files import INDEX_FILE, WEIGHTS_FILE, TensorIndex, weight_files
-from model.weight_map import ArchitectureSpec, CheckpointError, TensorSpec
 
 __all__ = ["CheckpointError", "INDEX_FILE", "SUPPORTED_ARCHITECTURES", "WEIGHTS_FILE", "checkpoint_dtype",
            "load_config", "load_model", "save_model"]

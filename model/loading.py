@@ -12,7 +12,7 @@ from torch import nn
 from model.config import PRESETS, ModelConfig
 from model.generation_config import GenerationConfig, load_generation_config
 from model.hub import resolve_model_dir
-from model.registry import build_model
+from model.models.registry import build_model
 from model.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model.config import PRESETS, ModelConfig
-from model.transformer import Transformer
+from model.models.transformer import Transformer
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from model.weight_map import CheckpointError
+from model.models.weight_map import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

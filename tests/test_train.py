@@ -14,8 +14,8 @@ import torch
 from model.config import ModelConfig
 from model.corpus import build, clean
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.models.transformer import Transformer
 from model.train import TrainConfig, lr_at, split_bytes, train
-from model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, max_position=64)

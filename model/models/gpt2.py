@@ -1,5 +1,5 @@
 """GPT-2 (`GPT2LMHeadModel`, `GPT2Model`): the paper's decoder with pre-LayerNorm, learned
-positions, GELU and a tied LM head, run by `model.transformer.Transformer(arch="gpt2")`.
+positions, GELU and a tied LM head, run by `model.models.transformer.Transformer(arch="gpt2")`.
 
 Its Conv1D weights are stored (in, out), so they are transposed into our `nn.Linear`
 (out, in). Keys carry a `transformer.` prefix in GPT2LMHeadModel checkpoints, none in GPT2Model's.
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.weight_map import ArchitectureSpec, CheckpointError, TensorSource, TensorSpec
+from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSource, TensorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from model.layers.attention import MultiHeadAttention
 from model.layers.kv_cache import AttnMetadata, KVCache
 from model.layers.mlp import FeedForward
 from model.layers.positions import PerDevice, sinusoidal_table
-from model.weight_map import ArchitectureSpec, identity_map
+from model.models.weight_map import ArchitectureSpec, identity_map
 
 
 class Block(nn.Module):

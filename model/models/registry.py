@@ -13,10 +13,10 @@ from typing import Any
 from torch import nn
 
 from model.config import ModelConfig
-from model.gpt2 import GPT2
-from model.llama import LLAMA_FAMILY, LlamaForCausalLM
-from model.transformer import QKV, QKV_ARCHITECTURE, Transformer
-from model.weight_map import ArchitectureSpec, CheckpointError
+from model.models.gpt2 import GPT2
+from model.models.llama import LLAMA_FAMILY, LlamaForCausalLM
+from model.models.transformer import QKV, QKV_ARCHITECTURE, Transformer
+from model.models.weight_map import ArchitectureSpec, CheckpointError
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
     QKV_ARCHITECTURE: QKV,

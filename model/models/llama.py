@@ -20,7 +20,7 @@ from model.layers.kv_cache import AttnMetadata, KVCache
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.positions import RotaryEmbedding
-from model.weight_map import ArchitectureSpec, CheckpointError, TensorSpec, identity_map
+from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec, identity_map
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, head_dim) each
 
