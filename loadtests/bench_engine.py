@@ -35,9 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import LLM, SamplingParams  # noqa: E402
-from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.loading import build_preset, resolve_device  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
+from model.loading.loading import build_preset, resolve_device  # noqa: E402
 from profile_step import profile_decode, set_backend  # noqa: E402
 from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402  (this script's folder)
 

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model import LLM, SamplingParams  # noqa: E402
-from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk  # noqa: E402
 from model.layers.paged_attention import paged_decode_attention, use_fused  # noqa: E402
-from model.loading import build_preset  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
+from model.loading.loading import build_preset  # noqa: E402
 from profile_step import profile_decode  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")

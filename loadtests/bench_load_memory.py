@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 # Runs in the child: import first (torch's own memory is not the load's), then load.
 _CHILD = """
 import json, sys, time, torch
-from model.checkpoint import load_model
+from model.loading.checkpoint import load_model
 
 def status(key):
     for line in open("/proc/self/status"):

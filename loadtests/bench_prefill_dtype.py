@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import LLM, SamplingParams  # noqa: E402
-from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.loading import build_preset  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
+from model.loading.loading import build_preset  # noqa: E402
 
 PRESET = "gpt2-small-random"
 DTYPES = ("float32", "bfloat16")

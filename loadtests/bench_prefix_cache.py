@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.config import PRESETS  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
 from model.sampling_params import SamplingParams  # noqa: E402
 

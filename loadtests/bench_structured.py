@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import LLM, SamplingParams  # noqa: E402
-from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
 from model.structured import StructuredOutputs, build_grammar  # noqa: E402
 

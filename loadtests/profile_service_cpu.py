@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # local_
 from bench_service import HTTP_PORT, run_service, workload  # noqa: E402
 
 from local_serve import local_service  # noqa: E402
-from model.checkpoint import save_model  # noqa: E402
 from model.config import PRESETS  # noqa: E402
-from model.loading import build_preset  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
+from model.loading.loading import build_preset  # noqa: E402
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:

@@ -27,11 +27,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import LLM, SamplingParams  # noqa: E402
-from model.checkpoint import save_model  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.layers.kv_cache import KVCache  # noqa: E402
-from model.loading import build_preset  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
+from model.loading.loading import build_preset  # noqa: E402
 
 RANGES = ("attention", "kv write")
 

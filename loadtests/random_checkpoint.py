@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.checkpoint import CONFIG_FILE, INDEX_FILE, load_config  # noqa: E402
+from model.loading.checkpoint import CONFIG_FILE, INDEX_FILE, load_config  # noqa: E402
 from model.models.registry import ARCHITECTURES, build_model  # noqa: E402
 
 # HF config.json fields of real models (weights random): the shapes the benchmarks run.

@@ -2,7 +2,7 @@
 
 Values discovered at run time (number of KV blocks, device, dtype) live in
 `RuntimeInfo`, never patched into these configs. Special tokens (EOS, BOS) are the
-tokenizer's (`model.tokenizer`), the one place they come from.
+tokenizer's (`model.loading.tokenizer`), the one place they come from.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def _param_groups(net: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from model.checkpoint import save_model
+    from model.loading.checkpoint import save_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--text", nargs="+", required=True, help="UTF-8 (or any) text files to learn")

@@ -22,8 +22,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from model.config import EngineConfig
-from model.hub import is_hub_id
-from model.loading import is_preset
+from model.loading.hub import is_hub_id
+from model.loading.loading import is_preset
 from service.admission import admission_capacity
 from service.api import API_KEY_ENV, IngressSettings, OpenAIIngress
 from service.engine_deployment import EngineDeployment

@@ -25,7 +25,7 @@ from ray import serve
 
 from model.config import EngineConfig
 from model.engine.sequence import RequestOutput
-from model.generation_config import GenerationConfig
+from model.loading.generation_config import GenerationConfig
 from service.engine_loop import EngineFailure, EngineLoop, SubRequest
 from service.metrics import EngineMetrics
 
@@ -44,7 +44,7 @@ class ModelInfo:
     vocab_size: int  # the embedding's size: valid token ids are below it
     num_kv_blocks: int
     block_size: int
-    tokenizer: Any  # model.tokenizer.Tokenizer (and the special tokens); picklable, so the ingress tokenizes itself
+    tokenizer: Any  # model.loading.tokenizer.Tokenizer (and the special tokens); picklable, so the ingress tokenizes itself
     generation_config: GenerationConfig  # sampling defaults for fields a request does not set
     attention: Any = None  # model.attention_spec.AttentionShape: checks /v1/attention requests
 

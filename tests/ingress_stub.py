@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from model.engine.sequence import RequestOutput, RequestTimes
-from model.generation_config import GenerationConfig
+from model.loading.generation_config import GenerationConfig
 from service.api import IngressSettings, build_api
 from service.engine_deployment import ModelInfo
 from service.engine_loop import SubRequest

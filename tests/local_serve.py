@@ -60,8 +60,8 @@ def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
 
 def write_tiny_checkpoint(path: str | Path, max_position: int = 256, **config: Any) -> Path:
     """A small random-weight model directory (byte tokenizer): fast enough for tests on a CPU."""
-    from model.checkpoint import save_model
     from model.config import ModelConfig
+    from model.loading.checkpoint import save_model
     from model.models.transformer import Transformer
 
     cfg = ModelConfig(**({"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_position": max_position}

@@ -11,7 +11,7 @@ import torch
 from model.config import PRESETS
 from model.layers.attention import ADDITIVE_CHUNK_ELEMS, AdditiveScore
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
-from model.loading import build_preset
+from model.loading.loading import build_preset
 
 # fp32 logits of the 6-layer base model agree to this between the two paths.
 KV_TOLERANCE = 1e-4

@@ -14,7 +14,7 @@ import pytest
 
 from chat_tokenizers import STYLES, write_chat_tokenizer
 from ingress_stub import stub_ingress
-from model.tokenizer import HFTokenizer
+from model.loading.tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import model.checkpoint as checkpoint
-from model.checkpoint import SUPPORTED_ARCHITECTURES, CheckpointError, load_model, save_model
+import model.loading.checkpoint as checkpoint
 from model.config import PRESETS, ModelConfig
+from model.loading.checkpoint import SUPPORTED_ARCHITECTURES, CheckpointError, load_model, save_model
 from model.models.transformer import Transformer
 from tiny_models import build_tiny_gpt2, full_logits, save_tiny_gpt2
 

@@ -135,7 +135,7 @@ def test_neighbours_unchanged_beside_attention_requests(http: httpx.Client) -> N
 
 
 def test_display_tokens_of_a_bpe_tokenizer(tmp_path: Path) -> None:
-    from model.tokenizer import load_tokenizer
+    from model.loading.tokenizer import load_tokenizer
     from tests.tiny_models import save_tiny_gpt2
 
     tok = load_tokenizer(save_tiny_gpt2(tmp_path), 301)

@@ -14,8 +14,8 @@ import pytest
 from ingress_stub import stub_ingress
 from model import LLM, PRESETS, ModelConfig, SamplingParams
 from model.config import BYTE_EOS_ID, EngineConfig, RuntimeInfo
-from model.generation_config import GenerationConfig, load_generation_config
-from model.tokenizer import ByteTokenizer, load_tokenizer
+from model.loading.generation_config import GenerationConfig, load_generation_config
+from model.loading.tokenizer import ByteTokenizer, load_tokenizer
 from tiny_models import save_tiny_gpt2
 
 ENGINE = EngineConfig(kv_cache_bytes=4 << 20)

@@ -1,7 +1,7 @@
 """GPT-2 checkpoints saved by HF transformers give HF's logits and greedy continuations.
 
 Tiny random GPT-2s of several shapes (odd vocabulary sizes, one sharded) are built with
-`transformers`, saved with `save_pretrained`, and loaded with `model.checkpoint.load_model`.
+`transformers`, saved with `save_pretrained`, and loaded with `model.loading.checkpoint.load_model`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model import LLM, SamplingParams
-from model.checkpoint import load_model
+from model.loading.checkpoint import load_model
 from tiny_models import full_logits, hf_greedy, save_tiny_gpt2
 
 transformers = pytest.importorskip("transformers")

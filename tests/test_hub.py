@@ -15,8 +15,8 @@ import pytest
 from ingress_stub import stub_ingress
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.hub import HubModelNotFoundError, resolve_model_dir
-from model.tokenizer import ByteTokenizer
+from model.loading.hub import HubModelNotFoundError, resolve_model_dir
+from model.loading.tokenizer import ByteTokenizer
 from service.app import AppArgs
 from tiny_models import save_tiny_gpt2
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from model import LLM, SamplingParams
-from model.checkpoint import CheckpointError, load_model
 from model.config import EngineConfig, ModelConfig
 from model.engine.engine import Engine
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.loading.checkpoint import CheckpointError, load_model
 from tiny_models import full_logits, hf_greedy, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -240,7 +240,7 @@ def test_decode_kernel_in_the_metadata_replaces_the_gather_path(tmp_path: Path) 
 
 
 def test_auto_dtype_follows_a_16_bit_checkpoint_on_cuda() -> None:
-    from model.loading import resolve_dtype
+    from model.loading.loading import resolve_dtype
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_dtype("auto", cuda, torch.float16) == torch.float16

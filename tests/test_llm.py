@@ -14,7 +14,7 @@ import torch
 
 from model import LLM, PRESETS, SamplingParams
 from model.config import BYTE_EOS_ID, EngineConfig
-from model.loading import build_preset
+from model.loading.loading import build_preset
 from tiny_models import full_logits, save_tiny_gpt2
 
 BASE = "transformer-base"

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from model import LLM, SamplingParams
-from model.checkpoint import checkpoint_dtype
 from model.config import PRESETS, EngineConfig
 from model.corpus import build, stdlib_modules
-from model.loading import TRAINED_PRESETS, preset_names
+from model.loading.checkpoint import checkpoint_dtype
+from model.loading.loading import TRAINED_PRESETS, preset_names
 from model.train import batch_loss
 
 NAME = "transformer-base-trained"

@@ -19,12 +19,12 @@ from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
 from model.layers.kv_cache import KVCache
-from model.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
+from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
+from model.loading.tokenizer import IncrementalDetokenizer
 from model.request_checks import check_request
 from model.sampling import SamplingRow
 from model.sampling_params import SamplingParams
 from model.structured import GrammarConstraint, StructuredOutputs
-from model.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

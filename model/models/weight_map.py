@@ -24,7 +24,7 @@ class TensorSpec:
     transpose: bool = False  # stored (in, out) by HF's Conv1D; nn.Linear holds (out, in)
 
 
-# A checkpoint's tensors (`model.weight_files.TensorIndex`): `name in index`, `index.get_tensor(name)`.
+# A checkpoint's tensors (`model.loading.weight_files.TensorIndex`): `name in index`, `index.get_tensor(name)`.
 TensorSource = Any
 
 

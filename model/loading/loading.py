@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from model.config import PRESETS, ModelConfig
-from model.generation_config import GenerationConfig, load_generation_config
-from model.hub import resolve_model_dir
+from model.loading.generation_config import GenerationConfig, load_generation_config
+from model.loading.hub import resolve_model_dir
+from model.loading.tokenizer import Tokenizer, load_tokenizer
 from model.models.registry import build_model
-from model.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # Presets with trained weights, shipped inside the package (half precision) and loaded like any
 # checkpoint directory. `python -m model.train` made them; the directory's training.json says how.
 TRAINED_PRESETS: dict[str, Path] = {
-    "transformer-base-trained": Path(__file__).resolve().parent / "weights" / "transformer-base-trained",
+    "transformer-base-trained": Path(__file__).resolve().parents[1] / "weights" / "transformer-base-trained",
 }
 
 
@@ -66,7 +66,7 @@ def model_dtype(model: str) -> torch.dtype | None:
     """The dtype a checkpoint directory's weights are stored in (None for presets and unknowns)."""
     if model in PRESETS or not os.path.isdir(model):
         return None
-    from model.checkpoint import CheckpointError, checkpoint_dtype
+    from model.loading.checkpoint import CheckpointError, checkpoint_dtype
 
     try:
         return checkpoint_dtype(model)
@@ -86,7 +86,7 @@ def build_preset(name: str) -> nn.Module:
 
 def resolve_model(model: str, revision: str | None = None) -> str:
     """A random preset's name as it is; a trained preset, a checkpoint directory or an HF hub
-    id (at `revision`, see `model.hub`) -> the checkpoint directory. Raises ValueError for
+    id (at `revision`, see `model.loading.hub`) -> the checkpoint directory. Raises ValueError for
     anything else."""
     if model in PRESETS:
         return model
@@ -114,7 +114,7 @@ def load_weights(model: str, dtype: torch.dtype, device: torch.device, revision:
         tokenizer = load_tokenizer(None, cfg.vocab_size)
         generation = GenerationConfig()
     else:
-        from model.checkpoint import load_model
+        from model.loading.checkpoint import load_model
 
         cfg, net = load_model(model, dtype=dtype, device=str(device))
         tokenizer = load_tokenizer(model, cfg.vocab_size)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from model.config import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
-from model.generation_config import load_generation_config
+from model.loading.generation_config import load_generation_config
 
 logger = logging.getLogger(__name__)
 

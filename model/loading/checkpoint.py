@@ -5,7 +5,7 @@ The architecture (`config.json`'s `architectures[0]`) picks a spec from `model.m
 its config parser and its weight-name map (our parameter name -> the checkpoint's tensor).
 Weights are copied tensor by tensor into a model allocated once at the target dtype, so
 loading a bf16 checkpoint into float32 peaks near one float32 copy of the model plus one tensor.
-The tokenizer (`tokenizer.json`) is read by `model.tokenizer.load_tokenizer`.
+The tokenizer (`tokenizer.json`) is read by `model.loading.tokenizer.load_tokenizer`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch import nn
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.loading.weight_files import INDEX_FILE, WEIGHTS_FILE, TensorIndex, weight_files
 from model.models.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of, build_model
 from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec
-from model.weight_files import INDEX_FILE, WEIGHTS_FILE, TensorIndex, weight_files
 
 __all__ = ["CheckpointError", "INDEX_FILE", "SUPPORTED_ARCHITECTURES", "WEIGHTS_FILE", "checkpoint_dtype",
            "load_config", "load_model", "save_model"]
