@@ -38,7 +38,7 @@ from model.config import PRESETS  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
-from model.sampling_params import SamplingParams  # noqa: E402
+from model.sampling.params import SamplingParams  # noqa: E402
 
 VOCAB = 256  # byte ids; the byte tokenizer's EOS (256) is never drawn
 

@@ -46,7 +46,7 @@ from model.config import PRESETS, EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
-from model.sampling_params import SamplingParams  # noqa: E402
+from model.sampling.params import SamplingParams  # noqa: E402
 from local_serve import local_service  # noqa: E402
 from service.app import AppArgs, compose_app  # noqa: E402
 

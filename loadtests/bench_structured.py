@@ -35,7 +35,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
-from model.structured import StructuredOutputs, build_grammar  # noqa: E402
+from model.sampling.structured import StructuredOutputs, build_grammar  # noqa: E402
 
 EOS = "<|endoftext|>"
 PERSON = {

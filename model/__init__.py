@@ -12,7 +12,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "model.llm",
     "CompletionOutput": "model.llm",
-    "SamplingParams": "model.sampling_params",
+    "SamplingParams": "model.sampling.params",
     "ModelConfig": "model.config",
     "EngineConfig": "model.config",
     "PRESETS": "model.config",

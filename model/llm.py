@@ -13,7 +13,7 @@ from model.attention_spec import AttentionSpec
 from model.config import EngineConfig
 from model.engine.engine import Engine
 from model.engine.sequence import TokenLogprob
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 
 @dataclass

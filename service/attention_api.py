@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.responses import Response
 
 from model.attention_spec import AttentionRequestError, AttentionSpec, check_attention
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 from service.engine_loop import SubRequest
 from service.errors import APIError
 from service.protocol import ChatMessage

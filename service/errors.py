@@ -139,12 +139,12 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 
 def from_value_error(exc: ValueError, known_params: set[str]) -> APIError:
-    """A `ValueError` from `SamplingParams` ("top_k must be ...") or `model.request_checks`
+    """A `ValueError` from `SamplingParams` ("top_k must be ...") or `model.sampling.request_checks`
     as a 400. A `RequestError` names its parameter; otherwise the message's first word does
     when it is one."""
     message = str(exc)
     param = getattr(exc, "param", None)
-    if param is not None:  # model.request_checks.RequestError
+    if param is not None:  # model.sampling.request_checks.RequestError
         return APIError(message, param=param, code=getattr(exc, "code", None))
     first = message.split(" ", 1)[0]
     return APIError(message, param=first if first in known_params else None)

@@ -3,7 +3,7 @@
 Unknown fields are ignored (clients send many), but a known field that would change what the
 request means and that this server does not implement is a 400 naming it (`UNSUPPORTED`), never
 dropped. Types are strict (a boolean is not "yes", an integer is not 1.5) and every range is
-checked here, from the one table of ranges (`model.sampling_params.PARAM_RANGES`), so a bad
+checked here, from the one table of ranges (`model.sampling.params.PARAM_RANGES`), so a bad
 field is a 400 naming it. Response bodies are built in `service/responses.py`.
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from model.sampling_params import PARAM_RANGES, SamplingParams
+from model.sampling.params import PARAM_RANGES, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 32  # prompts in one completions request
@@ -147,7 +147,7 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
-    # Structured outputs (see model/structured.py)
+    # Structured outputs (see model/sampling/structured.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

@@ -1,7 +1,7 @@
 """The OpenAI endpoints' logic: validate and tokenize, run through the engine handle, format.
 
 Everything a client can get wrong is checked here, before the engine sees it, and becomes an
-`APIError` (400 naming the parameter); checks that need the model are `model.request_checks`,
+`APIError` (400 naming the parameter); checks that need the model are `model.sampling.request_checks`,
 the same function the engine calls. One HTTP request is one streaming handle call carrying
 all its (prompt, choice) pairs, so Serve's admission limits count HTTP requests.
 """
@@ -20,9 +20,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from model.engine.sequence import RequestOutput
-from model.request_checks import RequestError, check_request, check_token_ids
-from model.sampling_params import SamplingParams
-from model.structured import check_structured
+from model.sampling.params import SamplingParams
+from model.sampling.request_checks import RequestError, check_request, check_token_ids
+from model.sampling.structured import check_structured
 from service.admission import AdmissionGate
 from service.chat import ChatTemplate
 from service.engine_deployment import ModelInfo

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from model.engine.sequence import RequestOutput
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import pytest
 from model.engine.block_manager import BlockManager, block_hashes
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import Sequence, SeqStatus
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 BS = 4
 

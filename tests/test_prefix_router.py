@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID
 
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 from service.engine_loop import SubRequest
 from service.router import PrefixAwareRouter
 

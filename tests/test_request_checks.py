@@ -1,4 +1,4 @@
-"""model/request_checks.py: the one request check the engine and the HTTP edge share. Torch-free."""
+"""model/sampling/request_checks.py: the one request check the engine and the HTTP edge share. Torch-free."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from model.request_checks import RequestError, check_request
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
+from model.sampling.request_checks import RequestError, check_request
 
 VOCAB = 100
 MAX_LEN = 64
@@ -34,5 +34,5 @@ def test_bad_requests_raise_naming_the_parameter(prompt, params, param, words) -
 
 def test_a_request_that_fits_passes_and_the_check_needs_no_torch() -> None:
     check_request([1] * 48, SamplingParams(max_tokens=16, stop_token_ids=[99], logit_bias={0: 5}), VOCAB, MAX_LEN)
-    code = "import sys, model.request_checks; assert 'torch' not in sys.modules"
+    code = "import sys, model.sampling.request_checks; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

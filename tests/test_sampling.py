@@ -1,5 +1,5 @@
 """SamplingParams validation and the batched sampler: seeds, temperature, top-k, top-p and
-penalties, checked on fixed logits through `model.sampling.sample` and end to end through `LLM`."""
+penalties, checked on fixed logits through `model.sampling.sampler.sample` and end to end through `LLM`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.sampling import SamplingRow, _top_k_top_p, apply_penalties, sample
+from model.sampling.sampler import SamplingRow, _top_k_top_p, apply_penalties, sample
 from tiny_models import save_tiny_gpt2
 
 NAN = float("nan")

@@ -10,7 +10,7 @@ import pytest
 from model.engine.block_manager import BlockManager, blocks_for
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import Sequence, SeqStatus
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 
 def seq(rid: str, n_prompt: int, max_tokens: int = 8) -> Sequence:
@@ -30,7 +30,7 @@ def run_step(sched: Scheduler) -> list[tuple[str, int]]:
 
 def test_scheduler_modules_do_not_import_torch() -> None:
     code = ("import sys; import model.engine.scheduler, model.engine.block_manager, model.engine.sequence, "
-            "model.sampling_params; "
+            "model.sampling.params; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

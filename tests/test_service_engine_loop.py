@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from model.config import EngineConfig
 from model.engine.engine import Engine
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 from service.admission import AdmissionGate, admission_capacity
 from service.api import IngressSettings, build_api
 from service.engine_loop import IDLE_WAKEUP_S, EngineFailure, EngineLoop, SubRequest

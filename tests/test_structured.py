@@ -12,8 +12,8 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.sampling_params import StructuredSpec
-from model.structured import build_grammar
+from model.sampling.params import StructuredSpec
+from model.sampling.structured import build_grammar
 from local_serve import write_tiny_checkpoint
 from tiny_models import save_tiny_gpt2
 

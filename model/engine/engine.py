@@ -21,10 +21,10 @@ from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLo
 from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.loading.tokenizer import IncrementalDetokenizer
-from model.request_checks import check_request
-from model.sampling import SamplingRow
-from model.sampling_params import SamplingParams
-from model.structured import GrammarConstraint, StructuredOutputs
+from model.sampling.params import SamplingParams
+from model.sampling.request_checks import check_request
+from model.sampling.sampler import SamplingRow
+from model.sampling.structured import GrammarConstraint, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError for an id in use, a request that fails
-        `model.request_checks.check_request` (a `RequestError` naming the parameter), one
+        `model.sampling.request_checks.check_request` (a `RequestError` naming the parameter), one
         needing more KV blocks than the pool has, or a structured-output constraint that does not
         compile. Compiling is slow the first time: callers that must not stall the step call
         `self.structured.prepare([params])` on another thread first."""

@@ -9,7 +9,7 @@ from model.engine.sequence import TokenLogprob
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.layers.paged_attention import paged_decode_attention, paged_prefill_attention, use_fused
 from model.models.transformer import Transformer
-from model.sampling import SamplingRow, prompt_token_logprobs, sample
+from model.sampling.sampler import SamplingRow, prompt_token_logprobs, sample
 
 
 class ModelRunner:

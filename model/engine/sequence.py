@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 
 @dataclass(frozen=True)
 class StructuredSpec:
-    """One structured-output constraint as text: what `model/structured.py` compiles and
+    """One structured-output constraint as text: what `model/sampling/structured.py` compiles and
     caches. `kind` is "json" (a JSON schema), "json_object", "regex", "choice" (a JSON
     array of the allowed strings) or "grammar" (EBNF)."""
 

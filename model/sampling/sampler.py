@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine.sequence import TokenLogprob
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.sampling_params import SamplingParams, StructuredSpec
+from model.sampling.params import SamplingParams, StructuredSpec
 
 logger = logging.getLogger(__name__)
 

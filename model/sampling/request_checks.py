@@ -2,7 +2,7 @@
 and the HTTP edge (service/serving.py) both call `check_request`, so the two never drift.
 
 Torch-free. Each failure is a `RequestError` (a `ValueError`) naming the parameter at fault.
-Ranges of single parameters are `SamplingParams`'s business (model/sampling_params.py); this
+Ranges of single parameters are `SamplingParams`'s business (model/sampling/params.py); this
 module checks what needs the model: the vocabulary and the context length.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from model.sampling_params import SamplingParams
+from model.sampling.params import SamplingParams
 
 
 class RequestError(ValueError):
