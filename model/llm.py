@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.attention_maps import AttentionMaps
-from model.attention_spec import AttentionSpec
 from model.config import EngineConfig
 from model.engine.engine import Engine
 from model.engine.sequence import TokenLogprob
+from model.inspect.attention_maps import AttentionMaps
+from model.inspect.attention_spec import AttentionSpec
 from model.sampling.params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 An attention request runs through the engine deployment like a completion (one streaming
 handle call: Serve's admission limits, the engine's queue, metrics, abort when the client goes
-away); its last delta carries the weights (`model.attention_maps.AttentionMaps`). The answer
+away); its last delta carries the weights (`model.inspect.attention_maps.AttentionMaps`). The answer
 is bounded by `max_attention_floats` (an app argument): a larger request is a 400 saying the
 bound and how to narrow it, before anything is queued.
 """
@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.responses import Response
 
-from model.attention_spec import AttentionRequestError, AttentionSpec, check_attention
+from model.inspect.attention_spec import AttentionRequestError, AttentionSpec, check_attention
 from model.sampling.params import SamplingParams
 from service.engine_loop import SubRequest
 from service.errors import APIError

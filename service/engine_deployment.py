@@ -46,7 +46,7 @@ class ModelInfo:
     block_size: int
     tokenizer: Any  # model.loading.tokenizer.Tokenizer (and the special tokens); picklable, so the ingress tokenizes itself
     generation_config: GenerationConfig  # sampling defaults for fields a request does not set
-    attention: Any = None  # model.attention_spec.AttentionShape: checks /v1/attention requests
+    attention: Any = None  # model.inspect.attention_spec.AttentionShape: checks /v1/attention requests
 
 
 @serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from model import LLM, SamplingParams
-from model.attention_spec import AttentionRequestError, AttentionShape, AttentionSpec, check_attention
 from model.config import EngineConfig
+from model.inspect.attention_spec import AttentionRequestError, AttentionShape, AttentionSpec, check_attention
 from tests.tiny_models import save_tiny_gpt2, write_tiny_llama
 
 ENGINE = EngineConfig(num_kv_blocks=64, max_num_seqs=8)

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention_maps import capture_attention
-from model.attention_spec import AttentionShape, check_attention
 from model.config import EngineConfig, ModelConfig, RuntimeInfo
 from model.engine.block_manager import BlockManager, blocks_for
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
+from model.inspect.attention_maps import capture_attention
+from model.inspect.attention_spec import AttentionShape, check_attention
 from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.loading.tokenizer import IncrementalDetokenizer

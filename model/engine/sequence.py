@@ -54,7 +54,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    attention: Any = None  # model.attention_maps.AttentionMaps of a finished attention request
+    attention: Any = None  # model.inspect.attention_maps.AttentionMaps of a finished attention request
 
 
 @dataclass

@@ -134,7 +134,7 @@ class PagedAttention:
                 out[sl] = self._attend_chunk(q[sl], k[sl], v[sl], start=0)
             else:
                 out[sl] = self._prefill(q[sl], chunk.block_table, chunk.context_len, cache, meta)
-        if meta.capture is not None:  # an attention request's recompute (model/attention_maps.py)
+        if meta.capture is not None:  # an attention request's recompute (model/inspect/attention_maps.py)
             meta.capture.record(self, q, meta, cache)
         return out
 

@@ -45,7 +45,7 @@ class AttnMetadata:
     decode_kernel: Callable[..., torch.Tensor] | None = None
     # A fused prefill kernel for short chunks after a cached past (model.attention.PrefillKernel).
     prefill_kernel: Callable[..., torch.Tensor] | None = None
-    # An attention-weights capture (model.attention_maps.AttentionCapture), set only for the
+    # An attention-weights capture (model.inspect.attention_maps.AttentionCapture), set only for the
     # explicit recompute of an attention request; None in every serving step.
     capture: Any = None
 

@@ -104,7 +104,7 @@ class SamplingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
-    # An attention request (model.attention_spec.AttentionSpec): when it finishes, the engine
+    # An attention request (model.inspect.attention_spec.AttentionSpec): when it finishes, the engine
     # returns the per-head attention weights of its tokens with the output.
     attention: Any = None
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention_spec import AttentionShape, AttentionSpec
+from model.inspect.attention_spec import AttentionShape, AttentionSpec
 from model.layers.attention import AdditiveScore
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 

@@ -3,7 +3,7 @@
 An attention request is an ordinary engine request (greedy, `max_tokens` tokens, at least one
 so it is scheduled like any other) that carries an `AttentionSpec` in its `SamplingParams`.
 When it finishes, the engine recomputes its tokens once more through the same layers with a
-capture in the step metadata (`model.attention_maps`), and returns the weights with the output.
+capture in the step metadata (`model.inspect.attention_maps`), and returns the weights with the output.
 """
 
 from __future__ import annotations
