@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from model.train import TrainConfig, train
+from model.training.train import TrainConfig, train
 
 # name -> (attention kind, scale scores by 1/sqrt(d_k), number of heads); d_model is fixed.
 RUNS = {

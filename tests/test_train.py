@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.corpus import build, clean
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.models.transformer import Transformer
-from model.train import TrainConfig, lr_at, split_bytes, train
+from model.training.corpus import build, clean
+from model.training.train import TrainConfig, lr_at, split_bytes, train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, max_position=64)
@@ -76,7 +76,7 @@ def test_corpus_is_deterministic_and_machine_independent(tmp_path: Path) -> None
     for i in range(2):
         out = tmp_path / f"c{i}.txt"
         cwd = tmp_path if i else REPO
-        subprocess.run([sys.executable, "-m", "model.corpus", "--out", str(out), "--modules", *mods],
+        subprocess.run([sys.executable, "-m", "model.training.corpus", "--out", str(out), "--modules", *mods],
                        cwd=cwd, check=True, capture_output=True, env={"PYTHONPATH": str(REPO), "HOME": str(tmp_path)})
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]

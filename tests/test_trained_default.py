@@ -16,10 +16,10 @@ import torch
 
 from model import LLM, SamplingParams
 from model.config import PRESETS, EngineConfig
-from model.corpus import build, stdlib_modules
 from model.loading.checkpoint import checkpoint_dtype
 from model.loading.loading import TRAINED_PRESETS, preset_names
-from model.train import batch_loss
+from model.training.corpus import build, stdlib_modules
+from model.training.train import batch_loss
 
 NAME = "transformer-base-trained"
 DIRECTORY = TRAINED_PRESETS[NAME]

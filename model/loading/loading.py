@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # Presets with trained weights, shipped inside the package (half precision) and loaded like any
-# checkpoint directory. `python -m model.train` made them; the directory's training.json says how.
+# checkpoint directory. `python -m model.training.train` made them; the directory's training.json says how.
 TRAINED_PRESETS: dict[str, Path] = {
     "transformer-base-trained": Path(__file__).resolve().parents[1] / "weights" / "transformer-base-trained",
 }

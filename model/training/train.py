@@ -4,7 +4,7 @@ AdamW, linear warm-up then cosine decay, gradient clipping, a fixed seed, a held
 validation split (the last `val_fraction` of the bytes), periodic validation loss, a progress
 bar, and the result saved in our safetensors layout (loadable by `LLM(DIR)` and the service).
 
-    python -m model.train --text corpus.txt --out runs/base --threads 2
+    python -m model.training.train --text corpus.txt --out runs/base --threads 2
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ what varies between machines or runs (file paths, memory addresses) is stripped.
 License: the standard library's docstrings are part of CPython, under the Python Software
 Foundation License (PSF-2.0); the project's own documents are the project's.
 
-    python -m model.corpus --out corpus.txt            # writes corpus.txt and corpus.json
+    python -m model.training.corpus --out corpus.txt            # writes corpus.txt and corpus.json
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="corpus text file; a .json manifest is written beside it")
     ap.add_argument("--modules", nargs="*", help="only these modules (default: the whole standard library)")
-    ap.add_argument("--project-root", default=str(Path(__file__).resolve().parents[1]),
+    ap.add_argument("--project-root", default=str(Path(__file__).resolve().parents[2]),
                     help="where README.md and docs/ are read from ('' for none)")
     args = ap.parse_args(argv)
     modules = args.modules if args.modules is not None else stdlib_modules()
