@@ -25,9 +25,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.attention_api import add_attention_routes
+from service.engine_call import OverloadPolicy
 from service.errors import APIError, from_validation_error
-from service.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from service.serving import OpenAIServing, OverloadPolicy
+from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from service.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

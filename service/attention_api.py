@@ -20,9 +20,10 @@ from starlette.responses import Response
 
 from model.inspect.attention_spec import AttentionRequestError, AttentionSpec, check_attention
 from model.sampling.params import SamplingParams
+from service.engine_call import EngineCall
 from service.engine_loop import SubRequest
 from service.errors import APIError
-from service.protocol import ChatMessage
+from service.openai.protocol import ChatMessage
 
 MAX_INDEXES = 4096
 STATIC_FILES = {"explorer.html": "text/html; charset=utf-8", "explorer.js": "text/javascript; charset=utf-8",
@@ -107,10 +108,8 @@ class AttentionServing:
         return _body(maps, serving, shape)
 
     async def _run(self, sub: SubRequest) -> Any:
-        from service.serving import _Run  # the completions' engine call, reused as it is
-
         s = self.serving
-        run = _Run(s._handle, [sub], s._overload, s._gate, s._timeout_s)  # admission gate included
+        run = EngineCall(s._handle, [sub], s._overload, s._gate, s._timeout_s)  # admission gate included
         maps = None
         try:
             await run.start()

@@ -11,9 +11,10 @@ from fastapi.testclient import TestClient
 from model.engine.sequence import RequestOutput, RequestTimes
 from model.loading.generation_config import GenerationConfig
 from service.api import IngressSettings, build_api
+from service.engine_call import OverloadPolicy
 from service.engine_deployment import ModelInfo
 from service.engine_loop import SubRequest
-from service.serving import OpenAIServing, OverloadPolicy
+from service.openai.serving import OpenAIServing
 
 
 class _Call:

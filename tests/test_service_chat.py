@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from service.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from service.errors import APIError
-from service.protocol import ChatMessage
+from service.openai.protocol import ChatMessage
 
 # The shape of many HF templates: a bos token, a check that raises, roles in brackets.
 HF_STYLE = (

@@ -135,8 +135,8 @@ def test_auto_and_none_answer_in_text(client: openai.OpenAI) -> None:
 
 
 def test_tools_reach_a_chat_template_that_uses_them() -> None:
-    from service.chat import ChatTemplate
-    from service.protocol import ChatCompletionRequest
+    from service.chat_template import ChatTemplate
+    from service.openai.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS[:1]})
     template = ChatTemplate("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}")

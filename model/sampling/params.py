@@ -41,7 +41,7 @@ class Range:
 
 
 # The one declaration of each parameter's range: `SamplingParams` checks against it and the HTTP
-# request models (service/protocol.py) build their field constraints from it.
+# request models (service/openai/protocol.py) build their field constraints from it.
 PARAM_RANGES: dict[str, Range] = {
     "max_tokens": Range(1, None, ">= 1", integer=True),
     "temperature": Range(0.0, 2.0, "in [0, 2]"),

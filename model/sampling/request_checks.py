@@ -1,5 +1,5 @@
 """The checks of one request against the model it runs on, in one place: `Engine.add_request`
-and the HTTP edge (service/serving.py) both call `check_request`, so the two never drift.
+and the HTTP edge (service/openai/serving.py) both call `check_request`, so the two never drift.
 
 Torch-free. Each failure is a `RequestError` (a `ValueError`) naming the parameter at fault.
 Ranges of single parameters are `SamplingParams`'s business (model/sampling/params.py); this

@@ -4,7 +4,7 @@ Unknown fields are ignored (clients send many), but a known field that would cha
 request means and that this server does not implement is a 400 naming it (`UNSUPPORTED`), never
 dropped. Types are strict (a boolean is not "yes", an integer is not 1.5) and every range is
 checked here, from the one table of ranges (`model.sampling.params.PARAM_RANGES`), so a bad
-field is a 400 naming it. Response bodies are built in `service/responses.py`.
+field is a 400 naming it. Response bodies are built in `service/openai/formats.py`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from service.errors import APIError
-from service.protocol import ChatMessage
+from service.openai.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
 
