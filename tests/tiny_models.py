@@ -7,6 +7,8 @@ Nothing is downloaded: every model comes from a fixed torch seed.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,6 +26,19 @@ _CORPUS = [
     "She sells sea shells by the sea shore; the shells she sells are sea shells.",
     "In the beginning there was a token, and then another token, and then many more.",
 ] * 4
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block on `n` torch threads, as an engine replica with `torch_threads: n` does:
+    float32 sums split over another number of threads differ in their last bits, so an offline
+    reference for a replica's numbers is computed with the replica's thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_tokenizer(vocab_size: int):
