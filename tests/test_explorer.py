@@ -69,7 +69,7 @@ def test_attention_api_equals_offline(http: httpx.Client, offline: LLM) -> None:
     weights = torch.tensor(body["attention"])
     assert weights.shape == (2, 2, n, n)
     # Two processes: the same thread count, and still a tolerance for what may differ between
-    # them (allocation alignment picks kernels); a wrong weight is off by far more than 1e-6.
+    # them (memory alignment can change a kernel's path); a wrong weight is off by far more than 1e-6.
     torch.testing.assert_close(weights, ref, atol=1e-6, rtol=0)
     assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5) and (weights.triu(1) == 0).all()
     assert len(body["score_std"]) == 2 and len(body["entropy"][0]) == 2

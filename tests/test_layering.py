@@ -1,4 +1,4 @@
-"""The layering of model/ and service/ stays enforced, not just described.
+"""The layering of model/ stays enforced, not just described.
 
 - The torch-free modules import without torch (checked in a fresh interpreter, so whatever
   they pull in transitively counts).
