@@ -1,15 +1,18 @@
 """The engine's step loop on its own thread, bridged to asyncio.
 
 `Engine` is not thread-safe, so one thread owns it: it applies queued adds and aborts between
-steps, runs `step()` while there is work, and hands each step's outputs to the asyncio queues
-of the callers through `loop.call_soon_threadsafe`. The replica's event loop therefore stays
-free to accept, stream and cancel while torch runs (torch releases the GIL in its kernels).
-No Ray here, so it can be tested alone.
+steps, runs `step()` while there is work, and hands each step's outputs to the callers' asyncio queues
+in one `loop.call_soon_threadsafe` per step (one wake-up of the event loop, however many
+requests the step served). The replica's event loop therefore stays free to accept, stream
+and cancel while torch runs (torch releases the GIL in its kernels). The thread is named
+`STEP_THREAD_NAME` at the OS level, and so are the torch worker threads it starts, so a
+profiler can tell the step's CPU from the serving path's. No Ray here, so it can be tested alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
 import threading
@@ -23,6 +26,16 @@ from model.sampling.params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAKEUP_S = 1.0  # an idle loop still refreshes its stats (and reports progress) this often
+STEP_THREAD_NAME = "qkv-step"  # the OS name of the step thread (/proc/<pid>/task/<tid>/comm)
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (Linux; elsewhere a no-op). Threads it creates
+    afterwards, such as torch's OpenMP workers, inherit it."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -55,6 +68,18 @@ class _Sink:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
+    @staticmethod
+    def put_many_threadsafe(items: list[tuple[_Sink, list[RequestOutput]]]) -> None:
+        """Deliver one step's outputs to many sinks with one wake-up per event loop."""
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[_Sink, list[RequestOutput]]]]] = {}
+        for sink, outs in items:
+            by_loop.setdefault(id(sink._loop), (sink._loop, []))[1].append((sink, outs))
+        for loop, batch in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
+
     def put(self, item: list[RequestOutput] | EngineFailure) -> None:
         """Add an item from the sink's own event loop."""
         self._queue.put_nowait(item)
@@ -71,6 +96,11 @@ class _Sink:
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         return items
+
+
+def _deliver(batch: list[tuple[_Sink, list[RequestOutput]]]) -> None:
+    for sink, outs in batch:
+        sink.put(outs)
 
 
 class EngineLoop:
@@ -138,6 +168,7 @@ class EngineLoop:
         self._wakeup.set()
 
     def _run(self) -> None:
+        _name_os_thread(STEP_THREAD_NAME)
         try:
             while not self._stopping:
                 self._apply_commands()
@@ -181,8 +212,7 @@ class EngineLoop:
             by_sink.setdefault(id(sink), (sink, []))[1].append(out)
             if out.finished:
                 del self._sinks[out.request_id]
-        for sink, outs in by_sink.values():
-            sink.put_threadsafe(outs)
+        _Sink.put_many_threadsafe(list(by_sink.values()))
 
     def _fail_all(self, exc: Exception) -> None:
         self.error = f"{type(exc).__name__}: {exc}"  # logged and in check_health; never sent to clients
