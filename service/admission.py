@@ -1,16 +1,12 @@
-"""The ingress's own bound on the requests it has admitted to the engine deployment.
+"""Each engine replica's own bound on the requests it has admitted.
 
-Ray Serve's `max_queued_requests` is checked once, when a handle call starts, against the
-calls waiting in that caller's router. A call that the router has sent to a replica is not
-counted while it waits for the replica's answer, and when the replica turns it away (its
-`max_ongoing_requests` slots are full; the router's view of them is a cache) it goes back to
-the queue without the check (ray/serve/_private/router.py: `_route_and_send_request_once`
-leaves `wrap_queued_request` before `get_rejection_response`; only `assign_request` checks the
-limit). Under a burst, more than `max_ongoing_requests` x replicas + `max_queued_requests`
-calls are therefore admitted (6 of 10 with a capacity of 4 in one run).
-
-This gate counts every call of one ingress replica from admission to its end and turns away
-(503/429 with Retry-After, at once) any call past the capacity, so that bound holds exactly.
+Every request a replica serves passes its gate, from admission to its end; one past the
+capacity (the engine's slots plus the queue, `admission_capacity`) is turned away at once with
+503/429 and Retry-After, in the API's error shape. Serve's own limits (`max_ongoing_requests`,
+`max_queued_requests`) sit above it: under a burst they let more calls in than they are set to
+(ray/serve/_private/router.py: a call the replica turns away goes back to the queue without the
+check, 6 of 10 admitted with a capacity of 4 in one run), and a direct-ingress replica answers
+their overflow with a bare text body. The gate holds the bound exactly.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ class AdmissionGate:
 
 
 def admission_capacity(max_ongoing_requests: int, engine_replicas: int, max_queued_requests: int) -> int:
-    """Requests one ingress replica admits at once: every engine slot plus the queue (-1 when
+    """Requests admitted at once across `engine_replicas` replicas: every engine slot plus the queue (-1 when
     the queue is unbounded)."""
     if max_queued_requests == -1:
         return -1

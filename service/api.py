@@ -1,4 +1,5 @@
-"""The HTTP ingress: FastAPI routes of the OpenAI-compatible API on a Ray Serve deployment.
+"""The HTTP edge: FastAPI routes of the OpenAI-compatible API, served by each engine replica
+(`service.engine_deployment.EngineDeployment`) in the engine's own process.
 
 Bodies are read here (with a size cap, 413 past it; headers too, 431 past theirs) and validated
 by the Pydantic models in `protocol.py`; every failure leaves as the OpenAI error shape, never
@@ -8,18 +9,15 @@ FastAPI's 422 body and never a stack trace. An optional API key guards every rou
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
-from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,7 +33,6 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "QKV_API_KEY"
 # Reachable without the API key: probes, and the explorer page (which asks the person for the key).
 OPEN_PATHS = frozenset({"/health", "/explorer", "/explorer/explorer.js", "/explorer/explorer.css"})
-HEALTH_TIMEOUT_S = 5.0
 # An oversized body is read and discarded up to this size before the 413 (see `read_model`).
 MAX_DRAIN_BYTES = 64 << 20
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -50,7 +47,7 @@ class IngressSettings:
     max_header_bytes: int = 32 * 1024  # request line target plus every header name and value
     overload_status: int = 503
     retry_after_s: float = 1.0
-    admission_capacity: int = -1  # requests admitted at once (service/admission.py); -1: no limit
+    admission_capacity: int = -1  # requests one replica admits at once (service/admission.py); -1: no limit
     request_timeout_s: float | None = None  # whole-request deadline; None: none
     max_attention_floats: int = 1 << 20  # the most weights one /v1/attention answer may hold
 
@@ -143,8 +140,8 @@ async def respond(work: Awaitable[Any]) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) -> FastAPI:
-    """The FastAPI app over `serving`; `engine` is the engine deployment's handle (for /health)."""
+def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: IngressSettings) -> FastAPI:
+    """The FastAPI app over `serving`; `healthy()` answers /health (the local engine's state)."""
     app = FastAPI(title="qkv-serve", docs_url=None, redoc_url=None)
     limit = settings.max_body_bytes
     created = int(time.time())
@@ -205,11 +202,11 @@ def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) ->
     @app.get("/health")
     async def health() -> Response:
         try:
-            healthy = await asyncio.wait_for(engine.healthy.remote(), HEALTH_TIMEOUT_S)
-        except Exception as exc:  # unreachable or timed out: not healthy either way
+            ok = healthy()
+        except Exception as exc:  # a probe that cannot answer: not healthy either way
             logger.warning("health check failed: %s", type(exc).__name__)
-            healthy = False
-        if healthy:
+            ok = False
+        if ok:
             return JSONResponse({"status": "ok"})
         return error_response(APIError("The engine loop is not running.", 503, "server_error"))
 
@@ -219,23 +216,3 @@ def build_api(serving: OpenAIServing, engine: Any, settings: IngressSettings) ->
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes)  # outermost: first
     return app
-
-
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
-@serve.ingress()
-class OpenAIIngress:
-    """The HTTP edge. It waits for the engine to report its model before taking traffic."""
-
-    async def __init__(self, engine: Any, settings: dict[str, Any]) -> None:
-        # The key may be set only where the replicas run (a cluster's environment).
-        settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}
-        self._settings = IngressSettings(**settings)
-        self._engine = engine
-        info = await engine.model_info.remote()
-        overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s,
-                                  self._settings.admission_capacity)
-        self._serving = OpenAIServing(info, engine, overload, self._settings.request_timeout_s)
-        logger.info("ingress ready for model %s (max_model_len %d)", info.served_model_name, info.max_model_len)
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self._serving, self._engine, self._settings)

@@ -1,8 +1,7 @@
 """`POST /v1/attention` and the explorer page (`GET /explorer`).
 
-An attention request runs through the engine deployment like a completion (one streaming
-handle call: Serve's admission limits, the engine's queue, metrics, abort when the client goes
-away); its last delta carries the weights (`model.inspect.attention_maps.AttentionMaps`). The answer
+An attention request runs through the engine like a completion (one engine call: the
+admission gate, the engine's queue, metrics, abort when the client goes away); its last delta carries the weights (`model.inspect.attention_maps.AttentionMaps`). The answer
 is bounded by `max_attention_floats` (an app argument): a larger request is a 400 saying the
 bound and how to narrow it, before anything is queued.
 """
@@ -20,7 +19,6 @@ from starlette.responses import Response
 
 from model.inspect.attention_spec import AttentionRequestError, AttentionSpec, check_attention
 from model.sampling.params import SamplingParams
-from service.engine_call import EngineCall
 from service.engine_loop import SubRequest
 from service.errors import APIError
 from service.openai.protocol import ChatMessage
@@ -79,7 +77,7 @@ def display_tokens(tokenizer: Any, ids: list[int]) -> list[str]:
 
 
 class AttentionServing:
-    """The route's logic over the ingress's `OpenAIServing` (tokenizer, chat template, handle)."""
+    """The route's logic over the replica's `OpenAIServing` (tokenizer, chat template, engine)."""
 
     def __init__(self, serving: Any, max_floats: int) -> None:
         self.serving = serving
@@ -109,7 +107,7 @@ class AttentionServing:
 
     async def _run(self, sub: SubRequest) -> Any:
         s = self.serving
-        run = EngineCall(s._handle, [sub], s._overload, s._gate, s._timeout_s)  # admission gate included
+        run = s.engine_call([sub])  # admission gate included
         maps = None
         try:
             await run.start()
@@ -150,7 +148,7 @@ def static_file(name: str) -> Response:
 
 def add_attention_routes(app: FastAPI, serving: Any, max_floats: int, limit: int,
                          read_model: Any, respond: Any) -> None:
-    """`POST /v1/attention`, `GET /explorer` and its static files, on the ingress app."""
+    """`POST /v1/attention`, `GET /explorer` and its static files, on the replica's app."""
     attention = AttentionServing(serving, max_floats)
 
     @app.post("/v1/attention")

@@ -1,14 +1,22 @@
-"""The engine replica: hosts one `Engine`, streams token deltas, records the metrics.
+"""The engine replica, which is also the HTTP edge: one Python process between the socket and
+the engine.
+
+`EngineHost` owns one `Engine` on its step thread (`EngineLoop`) and streams each caller's
+token deltas to it in the same process: the step thread hands every step's outputs to the
+event loop in one wake-up, and each HTTP stream takes, when it next writes, everything that
+accumulated for it since (deltas merge when a client reads slower than the engine writes). No
+token crosses a Ray process boundary. `EngineDeployment` is the Ray Serve deployment around it:
+its FastAPI app (`service.api.build_api`) validates, tokenizes, formats and streams.
 
 New requests join the running batch between steps (continuous batching, not `@serve.batch`).
-A caller that goes away (client disconnect -> the handle call is cancelled) aborts its
-sequences, so their KV blocks are freed by the next step. A dead step loop fails every request
-in flight and makes `check_health` raise, so Serve replaces the replica; so does a step that
-makes no progress for longer than `stall_timeout_s` (a wedged kernel, a deadlock).
+A client that goes away aborts its sequences, so their KV blocks are freed by the next step. A
+dead step loop fails every request in flight and makes `check_health` raise, so Serve replaces
+the replica; so does a step that makes no progress for longer than `stall_timeout_s` (a wedged
+kernel, a deadlock).
 
-A replica that Serve stops (a redeploy, a scale-down) gets no new calls and drains: Serve waits
-for its calls in flight, up to the deployment's `graceful_shutdown_timeout_s`, and the step loop
-keeps running them to the end meanwhile.
+A replica that Serve stops (a redeploy, a scale-down) gets no new requests and drains: Serve
+waits for its requests in flight, up to the deployment's `graceful_shutdown_timeout_s`, and the
+step loop keeps running them to the end meanwhile.
 """
 
 from __future__ import annotations
@@ -16,18 +24,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import torch
 from ray import serve
 
 from model.config import EngineConfig
 from model.engine.sequence import RequestOutput
-from model.loading.generation_config import GenerationConfig
-from service.engine_loop import EngineFailure, EngineLoop, SubRequest
+from service.api import API_KEY_ENV, IngressSettings, build_api
+from service.engine_call import OverloadPolicy
+from service.engine_loop import EngineFailure, EngineLoop, SubRequest, _Sink
 from service.metrics import EngineMetrics
+from service.model_info import ModelInfo
+from service.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -35,29 +46,169 @@ STALL_POLL_S = 1.0  # how often the replica checks whether its engine is stalled
 GAUGE_REFRESH_S = 2.0  # well under the ~20 s after which Ray stops exporting an unset gauge
 
 
-@dataclass
-class ModelInfo:
-    """What the HTTP edge needs to validate and tokenize without loading the model."""
+class EngineStream:
+    """One HTTP request's deltas from the local engine: `await stream.__anext__()` returns the
+    outputs that accumulated since the last call (several steps' worth when the reader lags),
+    or an `EngineFailure` as the last item; `cancel()` aborts what is still running."""
 
-    served_model_name: str
-    max_model_len: int
-    vocab_size: int  # the embedding's size: valid token ids are below it
-    num_kv_blocks: int
-    block_size: int
-    tokenizer: Any  # model.loading.tokenizer.Tokenizer (and the special tokens); picklable, so the ingress tokenizes itself
-    generation_config: GenerationConfig  # sampling defaults for fields a request does not set
-    attention: Any = None  # model.inspect.attention_spec.AttentionShape: checks /v1/attention requests
+    def __init__(self, host: EngineHost, requests: list[SubRequest]) -> None:
+        self._host = host
+        self._requests = requests
+        self._sink: _Sink | None = None
+        self._pending = {r.request_id for r in requests}
+        self._last_token_time: dict[str, float | None] = dict.fromkeys(self._pending)
+        self._failure: EngineFailure | None = None  # delivered after the outputs that came before it
+        self._finished = False
+        self._not_before = 0.0  # event-loop time of the next read (stream_interval_s)
+
+    async def _submit(self) -> EngineFailure | None:
+        host = self._host
+        if any(r.params.structured is not None for r in self._requests):
+            try:  # compiled (or found cached) here, off the step thread, so the batch never waits for it
+                await asyncio.to_thread(host.engine.structured.prepare, [r.params for r in self._requests])
+            except ValueError as exc:
+                return EngineFailure(400, str(exc))
+        self._sink = host.loop.submit(self._requests)
+        host.waiting.add(self._sink)
+        return None
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> list[RequestOutput] | EngineFailure:
+        if self._sink is None and not self._finished:
+            failure = await self._submit()
+            if failure is not None:
+                self._finished = True
+                return failure
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            self._close()
+            return failure
+        if self._finished or not self._pending:
+            self._close()
+            raise StopAsyncIteration
+        assert self._sink is not None
+        batch: list[RequestOutput] = []
+        for item in await self._sink.get_all(self._not_before):
+            if isinstance(item, EngineFailure):
+                if not batch:
+                    self._close()
+                    return item
+                self._failure = item
+                break
+            batch.extend(item)
+        metrics = self._host.metrics
+        for out in batch:
+            self._last_token_time[out.request_id] = metrics.observe(out, self._last_token_time[out.request_id])
+            if out.finished:
+                self._pending.discard(out.request_id)
+        if self._host.stream_interval_s:
+            self._not_before = asyncio.get_running_loop().time() + self._host.stream_interval_s
+        return batch
+
+    def _close(self) -> None:
+        self._finished = True
+        if self._sink is not None:
+            self._host.waiting.discard(self._sink)
+
+    def cancel(self) -> None:
+        """Abort the requests still running (the client went away, or the request is over
+        whatever happened); their blocks are freed by the next step. Idempotent."""
+        self._close()
+        if self._sink is None or not self._pending:
+            self._pending.clear()
+            return
+        pending, self._pending = sorted(self._pending), set()
+        logger.info("aborting %d request(s): the caller went away", len(pending))
+        self._host.loop.abort(pending)
+        for r in self._requests:
+            if r.request_id in pending:
+                self._host.metrics.observe_abort(len(r.prompt_token_ids))
+
+
+class EngineHost:
+    """An `Engine` on its step thread, its metrics and its watchdog; no Ray deployment logic,
+    so the HTTP edge can be tested over it directly. Create it on the event loop that will
+    read its streams."""
+
+    def __init__(self, engine: Any, served_model_name: str, stall_timeout_s: float = 60.0,
+                 metrics: Any = None, stream_interval_s: float = 0.0) -> None:
+        self.engine = engine
+        self.stream_interval_s = stream_interval_s  # each stream reads at most this often (0: as it comes)
+        self.served_model_name = served_model_name
+        self.stall_timeout_s = stall_timeout_s
+        self.metrics = metrics if metrics is not None else EngineMetrics(served_model_name)
+        self.loop = EngineLoop(engine)
+        self.loop.start()
+        self.waiting: set[_Sink] = set()  # the sinks of the streams in flight
+        event_loop = asyncio.get_running_loop()
+        self._tasks = [event_loop.create_task(self._refresh_gauges()),
+                       event_loop.create_task(self._fail_callers_while_stalled())]
+
+    def generate(self, requests: list[SubRequest]) -> EngineStream:
+        """The stream of `requests` (the choices of one HTTP request); nothing is queued
+        before its first `__anext__`."""
+        return EngineStream(self, requests)
+
+    def model_info(self) -> ModelInfo:
+        runtime = self.engine.runtime
+        return ModelInfo(
+            served_model_name=self.served_model_name,
+            max_model_len=runtime.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size,
+            num_kv_blocks=runtime.num_kv_blocks,
+            block_size=runtime.block_size,
+            tokenizer=self.engine.tokenizer,
+            generation_config=self.engine.generation_config,
+            attention=self.engine.attention_shape,
+        )
+
+    def problem(self) -> str | None:
+        """Why this engine cannot serve (dead loop, or stalled), or None."""
+        return self.loop.problem(self.stall_timeout_s)
+
+    def healthy(self) -> bool:
+        return self.problem() is None
+
+    async def _fail_callers_while_stalled(self) -> None:
+        """While the engine is stalled, its wedged step delivers nothing: end every stream in
+        flight with a 503 instead, so callers can retry elsewhere and the replica can drain and
+        be replaced (on the event loop: the sinks' queues belong to it)."""
+        while True:
+            await asyncio.sleep(STALL_POLL_S)
+            problem = self.problem()
+            if problem is None or not self.waiting:
+                continue
+            logger.error("failing %d call(s) in flight: %s", len(self.waiting), problem)
+            for sink in list(self.waiting):
+                sink.put(EngineFailure(503, "The engine stopped making progress; the replica will be replaced, "
+                                            "retry the request."))
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            try:
+                self.metrics.refresh(self.loop.stats)
+            except Exception:  # a metrics hiccup must not stop the refresher
+                logger.exception("could not refresh the engine gauges")
+            await asyncio.sleep(GAUGE_REFRESH_S)
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop the step thread (the timers end with the event loop)."""
+        self.loop.stop(timeout_s=timeout_s)
 
 
 @serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
+@serve.ingress()  # the FastAPI app is built per replica: __serve_build_asgi_app__
 class EngineDeployment:
-    """One `Engine` per replica; see the module docstring."""
+    """One `Engine` per replica behind its own HTTP edge; see the module docstring."""
 
     async def __init__(
         self,
         model: str,
         served_model_name: str,
         engine_config: dict[str, Any],
+        settings: dict[str, Any],
         device: str = "auto",
         dtype: str = "auto",
         seed: int = 0,
@@ -75,120 +226,51 @@ class EngineDeployment:
             torch.set_num_threads(torch_threads)
         config = EngineConfig(**engine_config)
         # Building the model is long synchronous work: keep the replica's event loop responsive.
-        self._engine = await asyncio.to_thread(
+        engine = await asyncio.to_thread(
             Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed, revision=revision
         )
         if engine_wrapper is not None:  # tests only (a callable: no config can set it)
-            self._engine = engine_wrapper(self._engine)
-        self._served_model_name = served_model_name
-        self._stall_timeout_s = stall_timeout_s
-        self._stream_interval_s = stream_interval_ms / 1000.0
-        self._metrics = EngineMetrics(served_model_name)
-        self._loop = EngineLoop(self._engine)
-        self._loop.start()
-        self._waiting: set[Any] = set()  # the sinks of the generate() calls in flight
-        self._refresher = asyncio.get_running_loop().create_task(self._refresh_gauges())
-        self._watchdog = asyncio.get_running_loop().create_task(self._fail_callers_while_stalled())
-        runtime = self._engine.runtime
-        logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d",
-                    model, runtime.device, runtime.dtype, runtime.max_model_len, runtime.num_kv_blocks,
-                    torch.get_num_threads())
+            engine = engine_wrapper(engine)
+        self._host = EngineHost(engine, served_model_name, stall_timeout_s, stream_interval_s=stream_interval_ms / 1000)
+        # The key may be set only where the replicas run (a cluster's environment).
+        settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}
+        self._settings = IngressSettings(**settings)
+        overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s,
+                                  self._settings.admission_capacity)
+        self._serving = OpenAIServing(self._host.model_info(), self._host, overload, self._settings.request_timeout_s)
+        runtime = engine.runtime
+        logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d "
+                    "admission=%d api key %s", model, runtime.device, runtime.dtype, runtime.max_model_len,
+                    runtime.num_kv_blocks, torch.get_num_threads(), overload.capacity,
+                    "on" if self._settings.api_key else "off")
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_api(self._serving, self._host.healthy, self._settings)
 
     def model_info(self) -> ModelInfo:
-        runtime = self._engine.runtime
-        return ModelInfo(
-            served_model_name=self._served_model_name,
-            max_model_len=runtime.max_model_len,
-            vocab_size=self._engine.model_config.vocab_size,
-            num_kv_blocks=runtime.num_kv_blocks,
-            block_size=runtime.block_size,
-            tokenizer=self._engine.tokenizer,
-            generation_config=self._engine.generation_config,
-            attention=self._engine.attention_shape,
-        )
-
-    async def generate(self, requests: list[SubRequest]) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
-        """Stream the deltas of `requests` (the choices of one HTTP request) as they come out
-        of the steps; several steps are merged when the caller reads slower than they come,
-        and, with `stream_interval_ms`, into one message per interval at most (the first goes
-        out at once), which cuts the messages per token on the way to the client.
-        An `EngineFailure` is the last item when the requests cannot go on."""
-        if any(r.params.structured is not None for r in requests):
-            try:  # compiled (or found cached) here, off the step thread, so the batch never waits for it
-                await asyncio.to_thread(self._engine.structured.prepare, [r.params for r in requests])
-            except ValueError as exc:
-                yield EngineFailure(400, str(exc))
-                return
-        sink = self._loop.submit(requests)
-        self._waiting.add(sink)
-        pending = {r.request_id for r in requests}
-        last_token_time: dict[str, float | None] = dict.fromkeys(pending)
-        clock = asyncio.get_running_loop()
-        not_before = 0.0  # event-loop time of the next message
-        try:
-            while pending:
-                batch: list[RequestOutput] = []
-                for item in await sink.get_all(not_before):
-                    if isinstance(item, EngineFailure):
-                        if batch:
-                            yield batch
-                        yield item
-                        return
-                    batch.extend(item)
-                for out in batch:
-                    last_token_time[out.request_id] = self._metrics.observe(out, last_token_time[out.request_id])
-                    if out.finished:
-                        pending.discard(out.request_id)
-                yield batch
-                not_before = clock.time() + self._stream_interval_s
-        finally:
-            # Reached on normal completion, on cancellation (client gone) and on aclose().
-            self._waiting.discard(sink)
-            if pending:
-                logger.info("aborting %d request(s): the caller went away", len(pending))
-                self._loop.abort(sorted(pending))
-                for r in requests:
-                    if r.request_id in pending:
-                        self._metrics.observe_abort(len(r.prompt_token_ids))
-
-    async def _fail_callers_while_stalled(self) -> None:
-        """While the engine is stalled, its wedged step delivers nothing: end every call in
-        flight with a 503 instead, so callers can retry elsewhere and the replica can drain and
-        be replaced (on the event loop: the sinks' queues belong to it)."""
-        while True:
-            await asyncio.sleep(STALL_POLL_S)
-            problem = self._loop.problem(self._stall_timeout_s)
-            if problem is None or not self._waiting:
-                continue
-            logger.error("failing %d call(s) in flight: %s", len(self._waiting), problem)
-            for sink in list(self._waiting):
-                sink.put(EngineFailure(503, "The engine stopped making progress; the replica will be replaced, "
-                                            "retry the request."))
+        return self._host.model_info()
 
     def healthy(self) -> bool:
         """False once the step loop has died or has made no progress for `stall_timeout_s`;
         the same rule as `check_health`."""
-        return self._loop.problem(self._stall_timeout_s) is None
+        return self._host.healthy()
 
     def engine_stats(self) -> dict[str, Any]:
         """The latest `EngineStats` snapshot as a dict (debugging and tests)."""
-        return dataclasses.asdict(self._loop.stats)
+        return dataclasses.asdict(self._host.loop.stats)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the prefix router weighs replicas by (Serve polls it): requests in the engine."""
+        stats = self._host.loop.stats
+        return {"num_requests": stats.num_running + stats.num_waiting}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""
-        problem = self._loop.problem(self._stall_timeout_s)
+        problem = self._host.problem()
         if problem is not None:
             raise RuntimeError(problem)
 
-    async def _refresh_gauges(self) -> None:
-        while True:
-            try:
-                self._metrics.refresh(self._loop.stats)
-            except Exception:  # a metrics hiccup must not stop the refresher
-                logger.exception("could not refresh the engine gauges")
-            await asyncio.sleep(GAUGE_REFRESH_S)
-
     def __del__(self) -> None:
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            loop.stop(timeout_s=1.0)
+        host = getattr(self, "_host", None)
+        if host is not None:
+            host.stop(timeout_s=1.0)

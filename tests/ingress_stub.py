@@ -1,6 +1,6 @@
-"""The real HTTP ingress (`service.api.build_api` over `OpenAIServing`) in front of a stand-in
-engine handle, for tests of what the edge does (tokenizing, chat templates, defaults, routes)
-without Ray: every engine call is recorded and answered with one finished token per request."""
+"""The real HTTP edge (`service.api.build_api` over `OpenAIServing`) in front of a stand-in
+engine, for tests of what the edge does (tokenizing, chat templates, defaults, routes) without
+Ray or a model: every engine call is recorded and answered with one finished token per request."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from model.engine.sequence import RequestOutput, RequestTimes
 from model.loading.generation_config import GenerationConfig
 from service.api import IngressSettings, build_api
 from service.engine_call import OverloadPolicy
-from service.engine_deployment import ModelInfo
 from service.engine_loop import SubRequest
+from service.model_info import ModelInfo
 from service.openai.serving import OpenAIServing
 
 
 class _Call:
-    """One streaming handle call: a single batch in which every request finishes."""
+    """One engine stream: a single batch in which every request finishes."""
 
     def __init__(self, requests: list[SubRequest]) -> None:
         self._items = [[RequestOutput(r.request_id, [0], "", True, "length", len(r.prompt_token_ids), 1,
@@ -34,16 +34,12 @@ class _Call:
 
 
 class StubEngine:
-    """Stands in for the engine deployment's handle; `calls` holds each call's SubRequests."""
+    """Stands in for the replica's `EngineHost`; `calls` holds each call's SubRequests."""
 
     def __init__(self) -> None:
         self.calls: list[list[SubRequest]] = []
-        self.generate = self
 
-    def options(self, **_: Any) -> "StubEngine":
-        return self
-
-    def remote(self, requests: list[SubRequest]) -> _Call:
+    def generate(self, requests: list[SubRequest]) -> _Call:
         self.calls.append(requests)
         return _Call(requests)
 
@@ -56,4 +52,4 @@ def stub_ingress(tokenizer: Any, name: str = "tiny", generation_config: Generati
                      num_kv_blocks=64, block_size=16, tokenizer=tokenizer,
                      generation_config=generation_config or GenerationConfig())
     serving = OpenAIServing(info, engine, OverloadPolicy())
-    return TestClient(build_api(serving, engine, IngressSettings())), engine, serving
+    return TestClient(build_api(serving, lambda: True, IngressSettings())), engine, serving

@@ -161,27 +161,17 @@ def test_a_failing_step_fails_every_request_and_kills_the_loop() -> None:
     asyncio.run(run())
 
 
-class _Remote:
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    async def _get(self) -> Any:
-        if isinstance(self._value, Exception):
-            raise self._value
-        return self._value
-
-    def remote(self) -> Any:
-        return self._get()
-
-
-class _EngineHandle:
-    def __init__(self, healthy: Any) -> None:
-        self.healthy = _Remote(healthy)
+def _health_probe(value: Any) -> Any:
+    def healthy() -> bool:
+        if isinstance(value, Exception):
+            raise value
+        return value
+    return healthy
 
 
 @pytest.mark.parametrize(("healthy", "status"), [(True, 200), (False, 503), (RuntimeError("gone"), 503)])
 def test_health_reports_a_dead_engine(healthy: Any, status: int) -> None:
-    app = build_api(serving=None, engine=_EngineHandle(healthy), settings=IngressSettings(api_key="k"))
+    app = build_api(serving=None, healthy=_health_probe(healthy), settings=IngressSettings(api_key="k"))
     r = TestClient(app).get("/health")  # open without the key
     assert r.status_code == status
     if status == 503:
@@ -243,3 +233,90 @@ def test_the_admission_gate_admits_exactly_its_capacity() -> None:
     for _ in range(100):
         unbounded.acquire()
     assert admission_capacity(8, 3, 16) == 40
+
+
+class _CountingMetrics:
+    """Stands in for `EngineMetrics` (Ray's metrics need a Ray worker): counts what is recorded."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.aborted = 0
+
+    def observe(self, out: Any, last_token_time: float | None) -> float | None:
+        self.tokens += len(out.new_token_ids)
+        return out.token_times[-1] if out.token_times else last_token_time
+
+    def observe_abort(self, num_prompt_tokens: int) -> None:
+        self.aborted += 1
+
+    def refresh(self, stats: Any) -> None:
+        pass
+
+
+def test_a_lagging_stream_gets_every_step_since_its_last_read_in_one_batch(engine: Engine) -> None:
+    """The replica's stream (service/engine_deployment.py): a reader that comes back late takes
+    every delta delivered meanwhile at once, in order, nothing lost; the step thread woke the
+    event loop once per step for all streams, not once per request."""
+    from service.engine_deployment import EngineHost
+
+    async def run() -> None:
+        metrics = _CountingMetrics()
+        host = EngineHost(engine, "tiny", metrics=metrics)
+        wakeups = 0
+        event_loop = asyncio.get_running_loop()
+        original = event_loop.call_soon_threadsafe
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            nonlocal wakeups
+            wakeups += 1
+            return original(*args, **kwargs)
+
+        event_loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        try:
+            params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            streams = [host.generate([SubRequest(f"r{i}", [1 + i, 2, 3], params)]) for i in range(3)]
+            first = [await asyncio.wait_for(s.__anext__(), 60) for s in streams]  # queued now
+            assert all(isinstance(b, list) for b in first)
+            await asyncio.sleep(0.5)  # the reader lags: the steps go on without it
+            batches = {i: first[i] + await asyncio.wait_for(s.__anext__(), 60) for i, s in enumerate(streams)}
+            assert any(len(b) > 2 for b in batches.values()), "nothing merged while the reader lagged"
+            for i, s in enumerate(streams):
+                while not batches[i][-1].finished:
+                    batches[i] += await asyncio.wait_for(s.__anext__(), 60)
+                with pytest.raises(StopAsyncIteration):
+                    await s.__anext__()
+                assert sum(len(d.new_token_ids) for d in batches[i]) == 24
+            assert metrics.tokens == 3 * 24
+            # One wake-up per step carries all three streams' deltas (plus the adds' own).
+            assert wakeups <= 24 + 6, wakeups
+        finally:
+            event_loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+            host.stop()
+
+    asyncio.run(run())
+
+
+def test_cancelling_a_stream_aborts_its_requests_and_frees_their_blocks(engine: Engine) -> None:
+    from service.engine_deployment import EngineHost
+
+    async def run() -> None:
+        metrics = _CountingMetrics()
+        host = EngineHost(engine, "tiny", metrics=metrics)
+        try:
+            free = engine.stats().num_free_blocks
+            params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+            stream = host.generate([SubRequest("long-a", [1] * 40, params), SubRequest("long-b", [2] * 40, params)])
+            await asyncio.wait_for(stream.__anext__(), 60)
+            stream.cancel()
+            assert metrics.aborted == 2
+            deadline = asyncio.get_running_loop().time() + 10
+            while engine.has_unfinished() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert not engine.has_unfinished()
+            assert engine.stats().num_free_blocks == free
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()
+        finally:
+            host.stop()
+
+    asyncio.run(run())

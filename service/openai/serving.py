@@ -1,4 +1,4 @@
-"""The OpenAI endpoints' logic: validate and tokenize, run through the engine handle, format.
+"""The OpenAI endpoints' logic: validate and tokenize, run through the engine, format.
 
 Everything a client can get wrong is checked here, before the engine sees it, and becomes an
 `APIError` (400 naming the parameter); checks that need the model are `model.sampling.request_checks`,
@@ -23,10 +23,10 @@ from model.sampling.structured import check_structured
 from service.admission import AdmissionGate
 from service.chat_template import ChatTemplate
 from service.engine_call import EngineCall, OverloadPolicy
-from service.engine_deployment import ModelInfo
 from service.engine_loop import SubRequest
 from service.errors import APIError, from_value_error, overloaded_error
 from service.openai.formats import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
+from service.model_info import ModelInfo
 from service.openai.protocol import SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt
 
 logger = logging.getLogger(__name__)
@@ -35,19 +35,41 @@ MAX_CHOICES_TOTAL = 64  # n x prompts in one request
 
 
 class OpenAIServing:
-    """Completions and chat completions over one engine deployment."""
+    """Completions and chat completions over one engine (`engine.generate(requests)` returns a
+    stream: `service.engine_deployment.EngineHost` in the replica, a stand-in in some tests)."""
 
-    def __init__(self, info: ModelInfo, engine_handle: Any, overload: OverloadPolicy,
+    def __init__(self, info: ModelInfo, engine: Any, overload: OverloadPolicy,
                  request_timeout_s: float | None = None) -> None:
         self.info = info
         self.tokenizer = info.tokenizer
-        self._handle = engine_handle.options(stream=True)
+        self._engine = engine
         self._overload = overload
         self._gate = AdmissionGate(overload.capacity, lambda: overloaded_error(overload.status, overload.retry_after_s))
         self._timeout_s = request_timeout_s  # None: no deadline
         tok = info.tokenizer
         self.chat_template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token or "",
                                           eos_token=tok.eos_token or "")
+
+    def engine_call(self, requests: list[SubRequest]) -> EngineCall:
+        """The engine call of one HTTP request, through this replica's admission gate."""
+        return EngineCall(self._engine, requests, self._overload, self._gate, self._timeout_s)
+
+    def routing_prompt(self, body: bytes) -> list[int] | None:
+        """The prompt token ids a completions or chat request body will run with, or None when
+        the body is not a valid one (the replica then answers it with the error): what the prefix
+        router routes by (service/prefix_route.py)."""
+        try:
+            if b'"messages"' in body:
+                chat = ChatCompletionRequest.model_validate_json(body)
+                tools = ([t.model_dump(exclude_none=True) for t in chat.tools]
+                         if chat.tools and chat.tool_choice != "none" else None)
+                text = self.chat_template.render(chat.messages, chat.add_generation_prompt, tools)
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            req = CompletionRequest.model_validate_json(body)
+            first = req.prompts[0]
+            return self.tokenizer.encode(first, True) if isinstance(first, str) else list(first)
+        except Exception:  # anything unparseable or unrenderable: routed by load alone
+            return None
 
     # ---- checks -----------------------------------------------------------------------
 
@@ -129,7 +151,7 @@ class OpenAIServing:
         index_of = {s.request_id: k for k, s in enumerate(subs)}
         choices = [ChoiceState(k, k // req.n) for k in range(len(subs))]
         num_prompt_tokens = sum(len(p) for p in prompts)
-        run = EngineCall(self._handle, subs, self._overload, self._gate, self._timeout_s)
+        run = self.engine_call(subs)
         try:
             await run.start()
         except BaseException:
