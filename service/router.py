@@ -1,15 +1,22 @@
 """Prefix-aware request routing for the engine replicas (Ray Serve's `RequestRouter` extension).
 
-Each engine caches the K/V of the full prompt blocks it computed (block_manager.py). This router,
-which runs inside each caller of the engine deployment (the ingress replicas), remembers which
-replica it last sent each full block of a prompt to, keyed by the same chained block hashes the
-engine uses. A request goes to the replica that holds the longest run of its leading blocks,
-unless that replica is much busier than the least busy one (`imbalance_threshold` more requests
-in flight); then, and for prompts with no known prefix, it is "power of two choices": two
-random replicas, the one with the shorter queue wins.
+Each engine caches the K/V of the full prompt blocks it computed (block_manager.py). This router
+remembers which replica it last sent each full block of a prompt to, keyed by the same chained
+block hashes the engine uses. A request goes to the replica that holds the longest run of its
+leading blocks, unless that replica is much busier than the least busy one
+(`imbalance_threshold` more requests); then, and for prompts with no known prefix, it is "power
+of two choices": two random replicas, the less busy first.
+
+It runs where replicas are picked. With HAProxy (the default), HAProxy asks the prefix-route
+deployment (service/prefix_route.py) for each request's replica; that deployment tokenizes the
+body and calls `choose_replica` with a `RoutingPrompt`, and this router, which only picks there
+(nothing is dispatched through it), records the pick as the prefix's owner itself and weighs
+replicas by the requests each reports in its engine (`record_routing_stats`, polled by Serve).
+A caller that sends `generate(list[SubRequest])` through a handle gets the same policy with
+Serve's own bookkeeping of what it routed.
 
 What it knows is what it routed, not what the engines still hold: an engine may have evicted a
-block since, and several ingress replicas each learn on their own. Both only cost hit rate,
+block since, and several router replicas each learn on their own. Both only cost hit rate,
 never correctness.
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -25,6 +33,25 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from model.engine.block_manager import block_hashes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoutingPrompt:
+    """The routing argument of a pick-only `choose_replica` call: the request's prompt ids."""
+
+    prompt_token_ids: list[int]
+
+
+def _prompt(pending_request: PendingRequest | None) -> tuple[list[int] | None, bool]:
+    """The prompt ids a request routes by, and whether the call only picks (a `RoutingPrompt`)."""
+    if pending_request is None or not pending_request.args:
+        return None, False
+    first = pending_request.args[0]
+    if isinstance(first, RoutingPrompt):
+        return first.prompt_token_ids, True
+    if isinstance(first, list) and first:  # generate(list[SubRequest]): the choices share the prompt
+        return getattr(first[0], "prompt_token_ids", None), False
+    return None, False
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -43,19 +70,21 @@ class PrefixAwareRouter(RequestRouter):
         self._in_flight: dict[ReplicaID, set[str]] = {}  # what this router sent and is not done yet
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
-        """Block hashes of the request's prompt (`EngineDeployment.generate(requests)`: the first
-        sub-request's prompt; the choices of one HTTP request share it)."""
-        if pending_request is None or not pending_request.args:
-            return []
-        requests = pending_request.args[0]
-        prompt = getattr(requests[0], "prompt_token_ids", None) if isinstance(requests, list) and requests else None
-        if not prompt:
-            return []
-        return block_hashes(prompt, self._block_size)
+        """Block hashes of the request's prompt."""
+        prompt, _ = _prompt(pending_request)
+        return block_hashes(prompt, self._block_size) if prompt else []
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)
-        return max(cached or 0, len(self._in_flight.get(replica.replica_id, ())))
+        reported = (getattr(replica, "routing_stats", None) or {}).get("num_requests", 0)
+        return max(cached or 0, reported, len(self._in_flight.get(replica.replica_id, ())))
+
+    def _remember(self, hashes: list[bytes], replica_id: ReplicaID) -> None:
+        for h in hashes:
+            self._owner[h] = replica_id
+            self._owner.move_to_end(h)
+        while len(self._owner) > self._max_blocks:
+            self._owner.popitem(last=False)
 
     def _holder(self, hashes: list[bytes], candidates: dict[ReplicaID, RunningReplica]) -> tuple[RunningReplica | None, int]:
         """The candidate that was sent the longest run of `hashes`, and its length in blocks."""
@@ -71,24 +100,26 @@ class PrefixAwareRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        hashes = self._hashes(pending_request)
+        prompt, pick_only = _prompt(pending_request)
+        hashes = block_hashes(prompt, self._block_size) if prompt else []
+        ranks: list[list[RunningReplica]] | None = None
         if hashes:
             holder, run = self._holder(hashes, {r.replica_id: r for r in candidate_replicas})
-            prompt_len = len(pending_request.args[0][0].prompt_token_ids)
-            if holder is not None and run * self._block_size >= self._min_match_rate * prompt_len:
+            if holder is not None and run * self._block_size >= self._min_match_rate * len(prompt):
                 least = min(self._load(r) for r in candidate_replicas)
                 if self._load(holder) - least <= self._imbalance:
                     # The holder first; if it cannot take the request, the others by load.
-                    return [[holder], [r for r in candidate_replicas if r is not holder]]
-        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+                    ranks = [[holder], [r for r in candidate_replicas if r is not holder]]
+        if ranks is None:
+            two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+            ranks = [sorted(two, key=self._load)]  # stable: equal loads keep the random order
+        if pick_only and hashes:  # the pick is the route: no on_request_routed follows
+            self._remember(hashes, ranks[0][0].replica_id)
+        return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._in_flight.setdefault(replica_id, set()).add(pending_request.metadata.internal_request_id)
-        for h in self._hashes(pending_request):
-            self._owner[h] = replica_id
-            self._owner.move_to_end(h)
-        while len(self._owner) > self._max_blocks:
-            self._owner.popitem(last=False)
+        self._remember(self._hashes(pending_request), replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._in_flight.get(replica_id, set()).discard(internal_request_id)

@@ -27,8 +27,15 @@ SYSTEM = ("You are the helpful assistant of a bakery. Answer questions about bre
 def url(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     args = {"model": str(model), "num_replicas": 2, "max_num_seqs": 8, "block_size": BLOCK,
-            "engine_num_cpus": 0.5, "ingress_num_cpus": 0.25, "torch_threads": 1}
+            "engine_num_cpus": 0.5, "router_num_cpus": 0.25, "torch_threads": 1}
     with serve_on_local_ray(args, HTTP_PORT, DASHBOARD_PORT, METRICS_PORT) as (base, _):
+        # HAProxy learns of the router a moment after the replicas answer: until then it balances
+        # by itself. Wait until a request goes through the router.
+        from ray import serve
+
+        router = serve.get_deployment_handle("PrefixRoute", app_name="qkv")
+        wait_until(lambda: requests.get(f"{base}/v1/models", timeout=10).ok
+                   and router.routed_requests.remote().result(timeout_s=10) > 0, 60, "HAProxy to use the router")
         yield base
 
 
