@@ -20,11 +20,14 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# `--address local` starts a fresh Ray instance rather than attaching to one already running.
+# `--address local` starts a fresh Ray instance rather than attaching to one already running;
+# service.launch sets Ray Serve's serving-path settings (HAProxy in front of the engine replica's
+# own port) unless the environment already has them: RAY_SERVE_ENABLE_HA_PROXY=0 make serve
+# falls back to Serve's Python proxy.
 serve: install
 	@echo "qkv-serve on http://127.0.0.1:8000 (Ctrl-C stops it). Try:"
 	@echo "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"The cat\", \"max_tokens\": 16}'"
-	$(VENV)/bin/serve run --address local deploy/serve.yaml
+	$(PY) -m service.launch serve run --address local deploy/serve.yaml
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

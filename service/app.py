@@ -1,7 +1,13 @@
-"""`build_app`: the Ray Serve application builder (ingress + engine deployment).
+"""`build_app`: the Ray Serve application builder.
 
-    serve run deploy/serve.yaml
-    serve run service.app:build_app model=/path/to/checkpoint accelerator=cpu max_num_seqs=32
+    python -m service.launch serve run deploy/serve.yaml
+    python -m service.launch serve run service.app:build_app model=/path/to/checkpoint max_num_seqs=32
+
+The application is one deployment, `EngineDeployment`: each replica is an engine and its own
+HTTP edge. With HAProxy (`service.launch.SERVING_ENV`, the default) HAProxy forwards every
+request to a replica's own port, and when several replicas may serve with prefix caching on,
+it asks the `PrefixRoute` deployment which one (service/prefix_route.py). Without HAProxy,
+Serve's Python proxy forwards to the replicas and picks them by load alone.
 
 Arguments are the fields of `AppArgs`; Serve validates them into it (strings from the command
 line are converted). Host and port come from the Serve config (`http_options`).
@@ -25,8 +31,10 @@ from model.config import EngineConfig
 from model.loading.hub import is_hub_id
 from model.loading.loading import is_preset
 from service.admission import admission_capacity
-from service.api import API_KEY_ENV, IngressSettings, OpenAIIngress
+from service.api import API_KEY_ENV, IngressSettings
 from service.engine_deployment import EngineDeployment
+from service.launch import haproxy_enabled
+from service.prefix_route import PrefixRoute
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +74,16 @@ class AppArgs(BaseModel):
     max_header_bytes: int = Field(32 * 1024, ge=1024)  # path + headers; 431 past it
     request_timeout_s: float | None = Field(None, gt=0)  # whole-request deadline: aborted with a 504
     max_attention_floats: int = Field(1 << 20, ge=1)  # the most weights one /v1/attention answer holds
-    ingress_replicas: int = Field(1, ge=1)
-    # streaming: the engine replica sends each request's new tokens at most this often (merged),
-    # instead of one message per step; 0 sends every step's as it comes (see the README's figures)
+    # streaming: each stream writes at most this often (the steps' tokens in between merged into
+    # one chunk); 0 writes as soon as a step delivers, merging only what a slow client left unread
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
     # reliability: how long a stopping replica (redeploy, scale-down) lets its requests finish,
     # and how long the engine may go without progress before /health and Serve's check fail
     graceful_shutdown_timeout_s: float = Field(300.0, ge=0)
     stall_timeout_s: float = Field(60.0, gt=0)
     # resources
-    engine_num_cpus: float = Field(1.0, gt=0)
-    ingress_num_cpus: float = Field(0.25, ge=0)
+    engine_num_cpus: float = Field(1.0, gt=0)  # an engine replica: its step and its HTTP edge
+    router_num_cpus: float = Field(0.25, ge=0)  # the prefix router HAProxy consults (several replicas)
     torch_threads: int | None = Field(None, ge=1)  # default: the engine's whole CPUs (at least 1)
 
     def engine_config(self) -> dict[str, Any]:
@@ -85,9 +92,12 @@ class AppArgs(BaseModel):
                                               "enable_prefix_caching", "kv_cache_dtype")}
 
     def resolved_max_ongoing(self) -> int:
-        # The whole batch plus a small waiting line inside the engine, which admits it between
-        # steps faster than Serve's router would; the rest waits (bounded) at the callers.
+        # The whole batch plus a small waiting line inside the engine, which admits it between steps.
         return self.max_ongoing_requests or self.max_num_seqs + max(4, self.max_num_seqs // 4)
+
+    def admission(self) -> int:
+        """Requests one replica admits at once (its engine slots and its queue); -1: no limit."""
+        return admission_capacity(self.resolved_max_ongoing(), 1, self.max_queued_requests)
 
     def max_engine_replicas(self) -> int:
         if self.autoscaling_config:
@@ -114,17 +124,31 @@ def use_gpu(accelerator: str) -> bool:
     return torch.cuda.is_available()
 
 
+# Requests Serve itself lets into a replica beyond its admission bound: /health, /v1/models and
+# the like, which the bound does not count, are never refused by Serve with a bare text body.
+SERVE_HEADROOM = 64
+UNBOUNDED_ONGOING = 100_000  # Serve needs a number where the admission bound is "none"
+
+
+def wants_prefix_router(args: AppArgs) -> bool:
+    """Whether HAProxy should ask `PrefixRoute` for each request's replica."""
+    return args.enable_prefix_caching and args.prefix_aware_routing and args.max_engine_replicas() > 1 \
+        and haproxy_enabled()
+
+
 def router_options(args: AppArgs) -> dict[str, Any]:
-    """Deployment options for the engine: the prefix-aware request router (service/router.py)."""
-    if not (args.enable_prefix_caching and args.prefix_aware_routing):
-        return {}
+    """Deployment options for the engine with the prefix router: `PrefixAwareRouter` (service/router.py),
+    weighing replicas by the load each reports every second."""
     kwargs = {"block_size": args.block_size, "imbalance_threshold": args.routing_imbalance_threshold}
     return {"request_router_config": RequestRouterConfig(request_router_class="service.router.PrefixAwareRouter",
-                                                         request_router_kwargs=kwargs)}
+                                                         request_router_kwargs=kwargs,
+                                                         request_routing_stats_period_s=1.0,
+                                                         request_routing_stats_timeout_s=5.0)}
 
 
 def build_app(args: AppArgs) -> serve.Application:
-    """The application: `OpenAIIngress` in front of `EngineDeployment`."""
+    """The application: `EngineDeployment` (engine + HTTP edge), with `PrefixRoute` when HAProxy
+    picks among several replicas."""
     if not isinstance(args, AppArgs):  # called directly with a dict
         args = AppArgs.model_validate(args)
     return compose_app(args)
@@ -141,18 +165,35 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     actor_options: dict[str, Any] = {"num_cpus": args.engine_num_cpus, "num_gpus": 1 if gpu else 0}
     scaling: dict[str, Any] = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
                                else {"num_replicas": args.num_replicas})
+    capacity = args.admission()
+    settings = IngressSettings(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        request_timeout_s=args.request_timeout_s,
+        max_attention_floats=args.max_attention_floats,
+        overload_status=args.overload_status,
+        retry_after_s=args.retry_after_s,
+        admission_capacity=capacity,
+    )
+    prefix_router = wants_prefix_router(args)
     engine = EngineDeployment.options(
         ray_actor_options=actor_options,
-        max_ongoing_requests=args.resolved_max_ongoing(),
-        max_queued_requests=args.max_queued_requests,
+        # The replica's own admission gate is the bound (and answers in the API's error shape);
+        # Serve's limits sit above it.
+        max_ongoing_requests=UNBOUNDED_ONGOING if capacity == -1 else capacity + SERVE_HEADROOM,
+        # Unbounded at Serve: under a burst it counts requests not yet started as queued and
+        # would drop them with a bare text body though the gate has room.
+        max_queued_requests=-1,
         backpressure_config=BackpressureConfig(status_code=args.overload_status, retry_after_s=args.retry_after_s),
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         **scaling,
-        **router_options(args),
+        **(router_options(args) if prefix_router else {}),
     ).bind(
         model=args.model,
         served_model_name=args.resolved_name(),
         engine_config=args.engine_config(),
+        settings=dataclasses.asdict(settings),
         device="cuda" if gpu else "cpu",
         dtype=args.dtype,
         seed=args.seed,
@@ -162,23 +203,11 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         stall_timeout_s=args.stall_timeout_s,
         stream_interval_ms=args.stream_interval_ms,
     )
-    settings = IngressSettings(
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_body_bytes=args.max_body_bytes,
-        max_header_bytes=args.max_header_bytes,
-        request_timeout_s=args.request_timeout_s,
-        max_attention_floats=args.max_attention_floats,
-        overload_status=args.overload_status,
-        retry_after_s=args.retry_after_s,
-        admission_capacity=admission_capacity(args.resolved_max_ongoing(), args.max_engine_replicas(),
-                                              args.max_queued_requests),
-    )
-    logger.info("building %s on %s: %s, max_ongoing_requests=%d, max_queued_requests=%d, api key %s",
-                args.resolved_name(), "GPU" if gpu else "CPU", scaling, args.resolved_max_ongoing(),
-                args.max_queued_requests, "on" if settings.api_key else "off")
-    ingress = OpenAIIngress.options(
-        num_replicas=args.ingress_replicas,
-        ray_actor_options={"num_cpus": args.ingress_num_cpus},
-        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,  # its streams drain too
-    )
-    return ingress.bind(engine, dataclasses.asdict(settings))
+    logger.info("building %s on %s: %s, admission %d per replica, %s, api key %s", args.resolved_name(),
+                "GPU" if gpu else "CPU", scaling, capacity,
+                "HAProxy" + (" with the prefix router" if prefix_router else "") if haproxy_enabled()
+                else "Serve's proxy", "on" if settings.api_key else "off")
+    if not prefix_router:
+        return engine
+    router = PrefixRoute.options(ray_actor_options={"num_cpus": args.router_num_cpus})
+    return engine._with_ingress_request_router(router.bind(engine))

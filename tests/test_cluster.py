@@ -63,7 +63,7 @@ def serve_config(model: Path) -> dict[str, Any]:
     config["http_options"]["port"] = HTTP_PORT
     (app,) = config["applications"]
     app["args"] |= {"model": str(model), "num_replicas": 2, "max_num_seqs": 8, "engine_num_cpus": 0.5,
-                    "ingress_num_cpus": 0.25, "torch_threads": 1}
+                    "router_num_cpus": 0.25, "torch_threads": 1}
     app["deployments"] = [{"name": "EngineDeployment",
                            "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0, "resources": {SLOT: 1}}}]
     return config
@@ -246,7 +246,11 @@ def test_rayservice_carries_a_valid_serve_config_gpu_workers_and_token_auth() ->
     (workers,) = cluster["workerGroupSpecs"]
     (container,) = workers["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    from service.launch import SERVING_ENV
+
     for group in (cluster["headGroupSpec"], workers):
+        env = {e["name"]: e["value"] for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env == SERVING_ENV, "the pods run the serving path's Ray Serve settings"
         port = group["rayStartParams"]["metrics-export-port"]
         ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
         assert ports["metrics"] == int(port)

@@ -79,7 +79,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from local_serve import local_service
 
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-    args = {"model": str(model), "max_num_seqs": 8, "engine_num_cpus": 1, "ingress_num_cpus": 0.25}
+    args = {"model": str(model), "max_num_seqs": 8, "engine_num_cpus": 1, "router_num_cpus": 0.25}
     with local_service(args, http_port=HTTP_PORT) as url:
         yield url
 

@@ -48,7 +48,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # inside the engine, so TTFTs are long and spread, and the engine's TTFT differs from the
     # client's only by the HTTP path.
     args = {"model": str(model), "max_num_seqs": 1, "max_ongoing_requests": 64,
-            "engine_num_cpus": 1, "ingress_num_cpus": 0.25}
+            "engine_num_cpus": 1, "router_num_cpus": 0.25}
     with serve_on_local_ray(args, HTTP_PORT, DASHBOARD_PORT, METRICS_PORT) as (url, session_dir):
         yield url, session_dir
 
@@ -138,8 +138,8 @@ def test_ttft_p50_matches_what_clients_saw(prom: PrometheusServer, traffic: dict
     client = sorted(r.ttft for r in burst)
     rank = math.ceil(0.5 * len(client))  # histogram_quantile's rank: the 8th of 16
     client_p50 = client[rank - 1]
-    # The engine's TTFT of a request is its client's TTFT less the HTTP path (proxy, ingress,
-    # handle), so the engine's p50 lies in [client p50 - that path, client p50]. The path takes
+    # The engine's TTFT of a request is its client's TTFT less the HTTP path (HAProxy, the
+    # replica's edge), so the engine's p50 lies in [client p50 - that path, client p50]. The path takes
     # tens of milliseconds (about 0.15 s in a burst on 2 cores); bound it generously, and by
     # the warm-up requests, which never queued: their TTFT is path plus one prefill.
     path = max(0.5, 3 * max(r.ttft for r in traffic["warmup"]))

@@ -215,8 +215,11 @@ def test_header_and_body_limits(http: httpx.Client, base_url: str) -> None:
     ok = {"prompt": "x", "max_tokens": 1}
     assert http.post("/v1/completions", json=ok, headers={"X-Pad": "a" * 4096}).status_code == 200
     _assert_error(http.post("/v1/completions", json=ok, headers={"X-Pad": "a" * MAX_HEADER_BYTES}), 431)
-    many = {f"X-Pad-{i}": "a" * 100 for i in range(MAX_HEADER_BYTES // 100)}
+    many = {f"X-Pad-{i}": "a" * 500 for i in range(MAX_HEADER_BYTES // 500 + 1)}
     _assert_error(http.post("/v1/completions", json=ok, headers=many), 431)
+    # More header lines than HAProxy parses (its tune.http.maxhdr, 101) stop there: a plain 400.
+    lots = {f"X-Line-{i}": "a" for i in range(120)}
+    assert http.post("/v1/completions", json=ok, headers=lots).status_code == 400
     _assert_error(http.get("/v1/models", params={"q": "a" * MAX_HEADER_BYTES}), 431)
     # the limit holds before the key is checked, and on the open route too
     _assert_error(httpx.get(f"{base_url}/health", headers={"X-Pad": "a" * MAX_HEADER_BYTES}), 431)
@@ -339,11 +342,21 @@ def test_a_stalled_engine_step_fails_health_and_its_requests_and_the_replica_is_
 
 def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http: httpx.Client,
                                                                           base_url: str) -> None:
+    """The replica is the HTTP server: its requests end with it. A request whose response had not
+    started gets a 5xx (HAProxy's 502/503, or the dying server's 500); a stream already started
+    is cut short, so the client sees a broken stream (no [DONE], no finish), never a hang or a
+    finished-looking answer."""
     (victim,) = _engine_replicas()
     count = 6
+
+    def stream(body: dict[str, Any]) -> tuple[int, list[Any]] | Exception:
+        try:
+            return _stream_events(base_url, body)
+        except httpx.HTTPError as exc:  # the connection was cut mid-stream
+            return exc
+
     with ThreadPoolExecutor(count) as pool:
-        futures = [pool.submit(_stream_events, base_url, LONG) if i % 2 else pool.submit(_post, base_url, LONG)
-                   for i in range(count)]
+        futures = [pool.submit(stream, LONG) if i % 2 else pool.submit(_post, base_url, LONG) for i in range(count)]
         wait_until(lambda: _stats()["num_running"] == count, 60, f"{count} requests in the batch")
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         killed_at = time.monotonic()
@@ -352,12 +365,14 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
     assert ended_after < KILL_ERROR_S, f"in-flight requests took {ended_after:.0f}s to fail"
     for outcome in outcomes:
         if isinstance(outcome, httpx.Response):
-            error = _assert_error(outcome, 503, "replica_failed")
-            assert outcome.headers["retry-after"] and "retry" in error["message"]
+            assert 500 <= outcome.status_code < 600, outcome.text[:300]
+        elif isinstance(outcome, Exception):
+            assert isinstance(outcome, (httpx.RemoteProtocolError, httpx.ReadError)), repr(outcome)
         else:
             status, events = outcome
-            assert status == 200
-            _assert_stream_error(events, "replica_failed")
+            assert status == 200 and "[DONE]" not in events, events[-3:]
+            assert not any(isinstance(e, dict) and any(c.get("finish_reason") for c in e.get("choices", []))
+                           for e in events), "a request that was cut off reported a finish"
     wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "the service to answer again")
     replacements = _engine_replicas()
     assert replacements and victim not in replacements
