@@ -1,21 +1,32 @@
-"""The service end to end against the bare engine, in one run, on the same workload.
+"""The service end to end against the bare engine, in one run, on the same workload, with
+where the serving path's CPU goes.
 
 Workload: `bench_engine.py`'s (prompts of 32-256 token ids, max_tokens 16-256, greedy,
-ignore_eos) on each `--model` (random weights: the paper's base Transformer and the GPT-2-small
-shape by default), kept `--concurrency` requests in flight (closed loop; 1, 16 and 32 clients
-by default), the service once per `--stream-interval-ms` value.
+ignore_eos) on each `--model` (random weights: the paper's base Transformer, which runs as fast
+as `transformer-base-trained`, and the GPT-2-small shape by default), kept `--concurrency`
+requests in flight (closed loop; 1, 16 and 32 clients by default).
 - bare engine: `Engine` driven directly in a Ray worker, a process like the service's replica
   (Ray sets OMP_NUM_THREADS and a nice level for its workers, which changes CPU throughput), so
   the comparison isolates the HTTP/Serve path; a new request is added as soon as one finishes;
   TTFT and inter-token latency from the engine's own timestamps;
 - service: `build_app` on a local Ray Serve (127.0.0.1 only), `--concurrency` streaming
-  `/v1/completions` clients; TTFT is request sent -> first chunk, ITL the gaps between chunks.
-Both use the same torch thread count. With `--rounds N` the whole run repeats N times and the
-table shows each side's best round (a shared machine's other load only ever slows a round
-down); every round is in the JSON. Prints a table and writes JSON.
+  `/v1/completions` clients; TTFT is request sent -> first chunk, ITL the gaps between chunks
+  (a chunk carries several tokens when a client lags and deltas merge: see tokens/chunk).
+- CPU per generated token of every process of the service over the service run (psutil, user +
+  system), the engine replica split into its step (the threads named `qkv-step`: the step thread
+  and the torch workers it started) and the rest of it (the HTTP edge, Ray's threads); "serving
+  path" sums what is on the token path except the step (HAProxy, the engine replica's edge, the
+  prefix router, and without HAProxy Serve's Python proxy; the old layout's ingress replica);
+  Ray's own daemons (GCS, raylet, controller, dashboard), the HAProxy manager and, with
+  HAProxy, the idle fallback proxy are shown apart; the clients (this process) are not counted.
+Both sides use the same torch thread count. Ray Serve's settings come from
+`service.launch.SERVING_ENV` (HAProxy by default) with `--env KEY=VALUE` on top, e.g.
+`--env RAY_SERVE_ENABLE_HA_PROXY=0` for Serve's Python proxy. With `--rounds N` the whole run
+repeats N times and the table shows each side's best round; every round is in the JSON.
 
     .venv/bin/python loadtests/bench_service.py [--model transformer-base gpt2-small-random]
-        [--concurrency 1 16 32] [--stream-interval-ms 0 50] [--rounds 1] [--out results/bench_service.json]
+        [--concurrency 1 16 32] [--threads 2] [--env KEY=VALUE ...] [--rounds 1]
+        [--out results/bench_service.json]
 """
 
 from __future__ import annotations
@@ -31,10 +42,32 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-import ray
-import torch
-from ray import serve
+
+def _serving_env(argv: list[str]) -> dict[str, str]:
+    """Ray Serve reads its settings when it is imported: apply them first."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        from service.launch import apply_serving_env
+    except ImportError:  # a checkout from before the serving path had its settings
+        apply_serving_env = None
+    for i, arg in enumerate(argv):
+        if arg == "--env":
+            for pair in argv[i + 1:]:
+                if pair.startswith("--"):
+                    break
+                key, _, value = pair.partition("=")
+                os.environ[key] = value
+    if apply_serving_env is not None:
+        apply_serving_env()
+    return {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
+
+
+SERVE_ENV = _serving_env(sys.argv)
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,9 +81,9 @@ from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
 from model.sampling.params import SamplingParams  # noqa: E402
 from local_serve import local_service  # noqa: E402
-from service.app import AppArgs, compose_app  # noqa: E402
 
 HTTP_PORT = 18400
+STEP_THREAD = "qkv-step"  # service/engine_loop.py names the step thread (and so its torch workers)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -162,33 +195,104 @@ def run_service(url: str, prompts: list[list[int]], max_tokens: list[int], concu
             "tpot_s": percentiles(tpots), "tokens_per_chunk": produced / chunks}
 
 
+def role(cmdline: str, name: str) -> str | None:
+    """Which part of the service a process is, from its command line; None: not the service's."""
+    for marker, label in (("EngineDeployment", "engine replica"), ("PrefixRoute", "prefix router"),
+                          ("OpenAIIngress", "ingress replica"), ("ProxyActor", "Serve proxy (Python)"),
+                          ("HAProxyManager", "HAProxy manager (Python)"), ("BareEngine", None)):
+        if marker in cmdline:
+            return label
+    if name == "haproxy" or "/haproxy " in cmdline + " ":
+        return "HAProxy"
+    if any(m in cmdline for m in ("gcs_server", "raylet", "ServeController", "dashboard", "log_monitor",
+                                  "ray/_private", "monitor.py", "runtime_env", "default_worker")):
+        return "Ray's own"
+    return None
+
+
+def cpu_snapshot() -> dict[tuple[int, str], float]:
+    """(pid, part) -> CPU seconds so far of every service process; the engine replica's split
+    into "engine step" (threads named STEP_THREAD) and the rest."""
+    out: dict[tuple[int, str], float] = {}
+    me = os.getpid()
+    for p in psutil.process_iter(["cmdline", "name"]):
+        try:
+            if p.pid == me:
+                continue
+            part = role(" ".join(p.info["cmdline"] or []), p.info["name"] or "")
+            if part is None:
+                continue
+            times = p.cpu_times()
+            total = times.user + times.system
+            if part == "engine replica":
+                step = 0.0
+                for t in p.threads():
+                    try:
+                        comm = Path(f"/proc/{p.pid}/task/{t.id}/comm").read_text().strip()
+                    except OSError:
+                        continue
+                    if comm == STEP_THREAD:
+                        step += t.user_time + t.system_time
+                out[(p.pid, "engine step")] = step
+                total -= step
+            out[(p.pid, part)] = total
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def cpu_used(before: dict[tuple[int, str], float], after: dict[tuple[int, str], float],
+             tokens: int, wall: float) -> dict[str, Any]:
+    """CPU seconds per part over a run, in ms per generated token and share of a core."""
+    parts: dict[str, float] = {}
+    for key, value in after.items():
+        parts[key[1]] = parts.get(key[1], 0.0) + value - before.get(key, 0.0)
+    # The token path: what a request and its tokens pass through. Serve's Python proxy is on it
+    # only without HAProxy (with HAProxy it stays up as a fallback and health server); the
+    # HAProxy manager only configures HAProxy.
+    off_path = {"engine step", "Ray's own", "HAProxy manager (Python)"}
+    if "HAProxy" in parts:
+        off_path.add("Serve proxy (Python)")
+    parts["serving path"] = sum(v for k, v in parts.items() if k not in off_path)
+    return {name: {"cpu_s": v, "ms_per_token": 1000 * v / max(tokens, 1), "core_share": v / wall}
+            for name, v in parts.items()}
+
+
 def requests_for(concurrency: int, most: int) -> int:
     """Requests per run: enough to keep `concurrency` clients busy a while, 8 to `most`."""
     return min(most, max(8, 4 * concurrency))
 
 
 def report(res: dict[str, Any]) -> None:
-    print(f"\n{res['threads']} torch threads; best of {res['num_rounds']} round(s); chunk gap = time between "
-          "streamed chunks (several tokens when merged)")
-    print("| model | clients | requests | path | tok/s | vs engine | TTFT p50 | TTFT p99 | TPOT p50 | gap p50 | "
-          "gap p99 | tokens/chunk |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n{res['threads']} torch threads; best of {res['num_rounds']} round(s); Serve settings: "
+          + ", ".join(f"{k}={v}" for k, v in sorted(res["serve_env"].items())))
+    print("| model | clients | path | tok/s | vs engine | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | tokens/chunk | "
+          "serving CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ms = lambda d, q: f"{d[q] * 1e3:.1f} ms"  # noqa: E731
     for row in res["table"]:
-        e = row["engine"]
-        print(f"| {row['model']} | {row['concurrency']} | {row['requests']} | bare engine | {e['tokens_per_s']:.1f} | "
-              f"1.00x | {e['ttft_s']['p50'] * 1e3:.0f} ms | {e['ttft_s']['p99'] * 1e3:.0f} ms | "
-              f"{e['tpot_s']['p50'] * 1e3:.1f} ms | {e['itl_s']['p50'] * 1e3:.0f} ms | {e['itl_s']['p99'] * 1e3:.0f} ms | 1.00 |")
-        for interval, s in row["service"].items():
-            print(f"| {row['model']} | {row['concurrency']} | {row['requests']} | service, stream_interval_ms "
-                  f"{interval} | {s['tokens_per_s']:.1f} | {s['tokens_per_s'] / e['tokens_per_s']:.2f}x | "
-                  f"{s['ttft_s']['p50'] * 1e3:.0f} ms | {s['ttft_s']['p99'] * 1e3:.0f} ms | "
-                  f"{s['tpot_s']['p50'] * 1e3:.1f} ms | {s['itl_s']['p50'] * 1e3:.0f} ms | {s['itl_s']['p99'] * 1e3:.0f} ms | "
-                  f"{s['tokens_per_chunk']:.2f} |")
+        e, s = row["engine"], row["service"]
+        print(f"| {row['model']} | {row['concurrency']} | bare engine | {e['tokens_per_s']:.1f} | 1.00x | "
+              f"{ms(e['ttft_s'], 'p50')} | {ms(e['ttft_s'], 'p99')} | {ms(e['itl_s'], 'p50')} | "
+              f"{ms(e['itl_s'], 'p99')} | 1.00 | |")
+        print(f"| {row['model']} | {row['concurrency']} | service | {s['tokens_per_s']:.1f} | "
+              f"{s['tokens_per_s'] / e['tokens_per_s']:.2f}x | {ms(s['ttft_s'], 'p50')} | {ms(s['ttft_s'], 'p99')} | "
+              f"{ms(s['itl_s'], 'p50')} | {ms(s['itl_s'], 'p99')} | {s['tokens_per_chunk']:.2f} | "
+              f"{s['cpu']['serving path']['ms_per_token']:.3f} |")
+    print("\nCPU per generated token by process (ms/token, share of one core), service runs:")
+    names = sorted({n for row in res["table"] for n in row["service"]["cpu"]},
+                   key=lambda n: (n in ("serving path", "engine step", "Ray's own"), n))
+    print("| model | clients | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for row in res["table"]:
+        cpu = row["service"]["cpu"]
+        cells = [f"{cpu[n]['ms_per_token']:.3f} ({cpu[n]['core_share']:.0%})" if n in cpu else "" for n in names]
+        print(f"| {row['model']} | {row['concurrency']} | " + " | ".join(cells) + " |")
 
 
 def bench_model(name: str, args: argparse.Namespace, res: dict[str, Any]) -> None:
-    """One model: the bare engine and the service (once per stream interval) at every
-    concurrency, `--rounds` times, in one local Ray."""
+    """One model: the bare engine and the service at every concurrency, `--rounds` times, in one
+    local Ray."""
     tmp = tempfile.mkdtemp(prefix="qkv-bench-service-")
     save_model(build_preset(name), tmp)
     top = max(args.concurrency)
@@ -197,37 +301,32 @@ def bench_model(name: str, args: argparse.Namespace, res: dict[str, Any]) -> Non
     loads = {c: workload(requests_for(c, args.max_requests), args.seed, vocab) for c in args.concurrency}
     service_args = {"model": tmp, "accelerator": "cpu", "dtype": "float32", "max_num_seqs": config.max_num_seqs,
                     "max_num_batched_tokens": config.max_num_batched_tokens,
-                    "kv_cache_bytes": config.kv_cache_bytes, "engine_num_cpus": 1, "torch_threads": args.threads,
-                    "stream_interval_ms": args.stream_interval_ms[0]}
+                    "kv_cache_bytes": config.kv_cache_bytes, "engine_num_cpus": 1, "torch_threads": args.threads}
     rounds: list[dict] = []
-    # Logical CPUs: the bare engine's worker, and old and new replicas side by side while a
-    # changed stream interval is redeployed.
-    with local_service(service_args, HTTP_PORT, num_cpus=6) as url:
+    with local_service(service_args, HTTP_PORT, num_cpus=4) as url:
         engine = ray.remote(num_cpus=1)(BareEngine).remote(tmp, config, args.threads)
         for k in range(args.rounds):
             one: dict[str, Any] = {"engine": {}, "service": {}}
+            # Each client count's two sides back to back, so that a shared machine's drift in
+            # speed between them stays small.
             for c, (prompts, max_tokens) in loads.items():
                 one["engine"][c] = ray.get(engine.run.remote(prompts, max_tokens, c))
                 print(f"{name} round {k + 1}: bare engine, {c} clients: {one['engine'][c]['tokens_per_s']:.1f} tok/s",
                       flush=True)
-            for interval in args.stream_interval_ms:
-                if (k, interval) != (0, args.stream_interval_ms[0]):
-                    app = compose_app(AppArgs.model_validate(service_args | {"stream_interval_ms": interval}))
-                    serve.run(app, name="qkv", route_prefix="/")
-                for c, (prompts, max_tokens) in loads.items():
-                    served = run_service(url, prompts, max_tokens, c)
-                    one["service"].setdefault(str(interval), {})[c] = served
-                    print(f"{name} round {k + 1}: service, stream_interval_ms {interval}, {c} clients: "
-                          f"{served['tokens_per_s']:.1f} tok/s, {served['tokens_per_chunk']:.2f} tokens/chunk",
-                          flush=True)
+                before, t0 = cpu_snapshot(), time.perf_counter()
+                served = run_service(url, prompts, max_tokens, c)
+                wall, after = time.perf_counter() - t0, cpu_snapshot()
+                served["cpu"] = cpu_used(before, after, served["output_tokens"], wall)
+                one["service"][c] = served
+                print(f"{name} round {k + 1}: service, {c} clients: {served['tokens_per_s']:.1f} tok/s, "
+                      f"{served['tokens_per_chunk']:.2f} tokens/chunk, serving path "
+                      f"{served['cpu']['serving path']['ms_per_token']:.3f} ms CPU/token", flush=True)
             rounds.append(one)
     best = lambda runs: max(runs, key=lambda r: r["tokens_per_s"])  # noqa: E731 - load only ever slows a round
     for c in args.concurrency:
-        res["table"].append({
-            "model": name, "concurrency": c, "requests": requests_for(c, args.max_requests),
-            "engine": best([r["engine"][c] for r in rounds]),
-            "service": {str(i): best([r["service"][str(i)][c] for r in rounds]) for i in args.stream_interval_ms},
-        })
+        res["table"].append({"model": name, "concurrency": c, "requests": requests_for(c, args.max_requests),
+                             "engine": best([r["engine"][c] for r in rounds]),
+                             "service": best([r["service"][c] for r in rounds])})
     res["rounds"][name] = rounds
 
 
@@ -237,16 +336,16 @@ def main() -> None:
                     help="random-weight presets to serve (a trained one runs at the same speed as its shape)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32], help="streaming clients")
     ap.add_argument("--max-requests", type=int, default=64, help="per run: 4 x clients, at least 8, at most this")
-    ap.add_argument("--stream-interval-ms", type=float, nargs="+", default=[0.0, 50.0],
-                    help="the service's stream_interval_ms values to compare")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine (both sides)")
+    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="Ray Serve settings on top of service.launch.SERVING_ENV (applied before Ray starts)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/bench_service.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    res: dict[str, Any] = {"threads": args.threads, "num_rounds": args.rounds, "table": [], "rounds": {},
-                           "load_average_start": os.getloadavg()}
+    res: dict[str, Any] = {"threads": args.threads, "num_rounds": args.rounds, "serve_env": SERVE_ENV,
+                           "table": [], "rounds": {}, "load_average_start": os.getloadavg()}
     for name in args.model:
         bench_model(name, args, res)
     res["load_average_end"] = os.getloadavg()
