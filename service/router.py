@@ -47,7 +47,9 @@ def _prompt(pending_request: PendingRequest | None) -> tuple[list[int] | None, b
     if pending_request is None or not pending_request.args:
         return None, False
     first = pending_request.args[0]
-    if isinstance(first, RoutingPrompt):
+    # By duck type: Serve ships this router to the caller by value (cloudpickle), so its
+    # `RoutingPrompt` is not the class object the caller built the argument with.
+    if not isinstance(first, list) and isinstance(getattr(first, "prompt_token_ids", None), list):
         return first.prompt_token_ids, True
     if isinstance(first, list) and first:  # generate(list[SubRequest]): the choices share the prompt
         return getattr(first[0], "prompt_token_ids", None), False

@@ -58,3 +58,20 @@ def test_routes_by_prefix_unless_the_holder_is_much_busier() -> None:
         assert ids(await router.choose_replicas([a], pending("r6", PREFIX))) == [["a"]]
 
     asyncio.run(scenario())
+
+
+def test_a_pick_only_routing_prompt_is_remembered_by_its_shape_not_its_class() -> None:
+    """HAProxy's path (service/prefix_route.py): nothing is dispatched through the router, so the
+    pick itself makes the owner. Serve ships the router by value, so the argument's class is a
+    different object from the router's own `RoutingPrompt`: any object with the ids counts."""
+    async def scenario() -> None:
+        router = PrefixAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=4)
+        a, b = (FakeReplica(ReplicaID(name, DEPLOYMENT)) for name in ("a", "b"))
+        request = lambda: SimpleNamespace(args=[SimpleNamespace(prompt_token_ids=PREFIX + [9])], kwargs={},  # noqa: E731
+                                          metadata=SimpleNamespace(internal_request_id="x"))
+        (first,) = (await router.choose_replicas([a, b], request()))[0][:1]
+        for _ in range(5):  # no on_request_routed: the first pick still owns the prefix
+            assert (await router.choose_replicas([a, b], request()))[0] == [first]
+
+    asyncio.run(scenario())

@@ -30,11 +30,12 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "engine_num_cpus": 0.5, "router_num_cpus": 0.25, "torch_threads": 1}
     with serve_on_local_ray(args, HTTP_PORT, DASHBOARD_PORT, METRICS_PORT) as (base, _):
         # HAProxy learns of the router a moment after the replicas answer: until then it balances
-        # by itself. Wait until a request goes through the router.
+        # by itself. Wait until a request goes through the router (a POST: HAProxy consults the
+        # router for those; /tokenize leaves the engine's counters alone).
         from ray import serve
 
         router = serve.get_deployment_handle("PrefixRoute", app_name="qkv")
-        wait_until(lambda: requests.get(f"{base}/v1/models", timeout=10).ok
+        wait_until(lambda: requests.post(f"{base}/tokenize", json={"prompt": "probe"}, timeout=10).ok
                    and router.routed_requests.remote().result(timeout_s=10) > 0, 60, "HAProxy to use the router")
         yield base
 
