@@ -18,7 +18,8 @@ requests in flight (closed loop; 1, 16 and 32 clients by default).
   path" sums what is on the token path except the step (HAProxy, the engine replica's edge, the
   prefix router, and without HAProxy Serve's Python proxy; the old layout's ingress replica);
   Ray's own daemons (GCS, raylet, controller, dashboard), the HAProxy manager and, with
-  HAProxy, the idle fallback proxy are shown apart; the clients (this process) are not counted.
+  HAProxy, the idle fallback proxy are shown apart, and so are the clients (this process),
+  which share the machine's cores with the service but not with the bare engine.
 Both sides use the same torch thread count. Ray Serve's settings come from
 `service.launch.SERVING_ENV` (HAProxy by default) with `--env KEY=VALUE` on top, e.g.
 `--env RAY_SERVE_ENABLE_HA_PROXY=0` for Serve's Python proxy. With `--rounds N` the whole run
@@ -215,6 +216,8 @@ def cpu_snapshot() -> dict[tuple[int, str], float]:
     into "engine step" (threads named STEP_THREAD) and the rest."""
     out: dict[tuple[int, str], float] = {}
     me = os.getpid()
+    mine = psutil.Process(me).cpu_times()
+    out[(me, "benchmark clients")] = mine.user + mine.system  # this process: shown, never counted as serving
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
             if p.pid == me:
@@ -250,7 +253,7 @@ def cpu_used(before: dict[tuple[int, str], float], after: dict[tuple[int, str], 
     # The token path: what a request and its tokens pass through. Serve's Python proxy is on it
     # only without HAProxy (with HAProxy it stays up as a fallback and health server); the
     # HAProxy manager only configures HAProxy.
-    off_path = {"engine step", "Ray's own", "HAProxy manager (Python)"}
+    off_path = {"engine step", "Ray's own", "HAProxy manager (Python)", "benchmark clients"}
     if "HAProxy" in parts:
         off_path.add("Serve proxy (Python)")
     parts["serving path"] = sum(v for k, v in parts.items() if k not in off_path)
@@ -281,7 +284,7 @@ def report(res: dict[str, Any]) -> None:
               f"{s['cpu']['serving path']['ms_per_token']:.3f} |")
     print("\nCPU per generated token by process (ms/token, share of one core), service runs:")
     names = sorted({n for row in res["table"] for n in row["service"]["cpu"]},
-                   key=lambda n: (n in ("serving path", "engine step", "Ray's own"), n))
+                   key=lambda n: (n in ("serving path", "engine step", "Ray's own", "benchmark clients"), n))
     print("| model | clients | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     for row in res["table"]:
