@@ -7,7 +7,6 @@ a failed engine 503, a deadline 504.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +15,6 @@ from model.engine.sequence import RequestOutput
 from service.admission import AdmissionGate
 from service.engine_loop import EngineFailure, SubRequest
 from service.errors import APIError
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class OverloadPolicy:
@@ -35,9 +31,9 @@ class EngineCall:
     `engine.generate(requests)` returns a stream (`service.engine_deployment.EngineStream`):
     `await stream.__anext__()` gives a list of deltas or an `EngineFailure`, `cancel()` aborts."""
 
-    def __init__(self, engine: Any, requests: list[SubRequest], overload: OverloadPolicy, gate: AdmissionGate,
+    def __init__(self, engine: Any, requests: list[SubRequest], gate: AdmissionGate,
                  timeout_s: float | None = None) -> None:
-        self._engine, self._requests, self._overload, self._gate = engine, requests, overload, gate
+        self._engine, self._requests, self._gate = engine, requests, gate
         self._admitted = False
         self._timeout_s = timeout_s
         # Event-loop time by which the whole request must be done (queueing included).

@@ -43,7 +43,6 @@ class OpenAIServing:
         self.info = info
         self.tokenizer = info.tokenizer
         self._engine = engine
-        self._overload = overload
         self._gate = AdmissionGate(overload.capacity, lambda: overloaded_error(overload.status, overload.retry_after_s))
         self._timeout_s = request_timeout_s  # None: no deadline
         tok = info.tokenizer
@@ -52,7 +51,7 @@ class OpenAIServing:
 
     def engine_call(self, requests: list[SubRequest]) -> EngineCall:
         """The engine call of one HTTP request, through this replica's admission gate."""
-        return EngineCall(self._engine, requests, self._overload, self._gate, self._timeout_s)
+        return EngineCall(self._engine, requests, self._gate, self._timeout_s)
 
     def routing_prompt(self, body: bytes) -> list[int] | None:
         """The prompt token ids a completions or chat request body will run with, or None when
