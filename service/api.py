@@ -50,6 +50,8 @@ class IngressSettings:
     admission_capacity: int = -1  # requests one replica admits at once (service/admission.py); -1: no limit
     request_timeout_s: float | None = None  # whole-request deadline; None: none
     max_attention_floats: int = 1 << 20  # the most weights one /v1/attention answer may hold
+    tool_call_parser: str = "auto"  # service/tools/formats.py: auto (from the chat template), none, or a format
+    reasoning_parser: str = "auto"  # service/tools/reasoning.py: auto, none, qwen3, deepseek_r1
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -166,7 +168,9 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
     def model_card() -> dict[str, Any]:
         info = serving.info
         return {"id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
-                "max_model_len": info.max_model_len}
+                "max_model_len": info.max_model_len,
+                "tool_call_parser": serving.tool_format.name if serving.tool_format else None,
+                "reasoning_parser": "think" if serving.reasoning else None}
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -184,8 +188,7 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
         async def work() -> Any:
             req = await read_model(request, TokenizeRequest, limit)
             serving.check_model(req.model)
-            text = req.prompt if req.messages is None else serving.chat_template.render(
-                req.messages, req.add_generation_prompt)
+            text = req.prompt if req.messages is None else serving.render_chat(req)
             tokens = serving.tokenizer.encode(text, add_special_tokens=req.messages is None)
             return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.info.max_model_len}
         return await respond(work())

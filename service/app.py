@@ -74,6 +74,10 @@ class AppArgs(BaseModel):
     max_header_bytes: int = Field(32 * 1024, ge=1024)  # path + headers; 431 past it
     request_timeout_s: float | None = Field(None, gt=0)  # whole-request deadline: aborted with a 504
     max_attention_floats: int = Field(1 << 20, ge=1)  # the most weights one /v1/attention answer holds
+    # agents: the format tool calls are read in (auto: from the chat template; none: text only)
+    # and whether `<think>` text is split into reasoning_content (auto: templates that think)
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "pythonic"] = "auto"
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
     # streaming: each stream writes at most this often (the steps' tokens in between merged into
     # one chunk); 0 writes as soon as a step delivers, merging only what a slow client left unread
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
@@ -172,6 +176,8 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         max_header_bytes=args.max_header_bytes,
         request_timeout_s=args.request_timeout_s,
         max_attention_floats=args.max_attention_floats,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         overload_status=args.overload_status,
         retry_after_s=args.retry_after_s,
         admission_capacity=capacity,

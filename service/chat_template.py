@@ -10,7 +10,9 @@ The template is the checkpoint tokenizer's `chat_template` (from `tokenizer_conf
     <|im_start|>assistant
 
 chosen because it is widely known and marks roles unambiguously; the byte-level presets see
-it as plain text.
+it as plain text. With tools it writes them, and earlier calls and their results, as Qwen2.5's
+template does (Hermes format: `<tool_call>` blocks, `<tool_response>` turns), so a model without a
+template of its own answers `tool_choice: auto` in that format.
 
 Templates render as `transformers`' `apply_chat_template` renders them (the same Jinja2
 options, `loopcontrols`, `tojson`, `strftime_now`, `raise_exception`, the tokenizer's
@@ -35,8 +37,22 @@ from service.openai.protocol import ChatMessage
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '<tools>' }}{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + (message['content'] or '') + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '\n<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endif %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -83,14 +99,15 @@ class ChatTemplate:
             self._template = _compile(DEFAULT_CHAT_TEMPLATE)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages`; a template that refuses them is a 400 on `messages`.
-        `tools` (OpenAI tool definitions) go to the template as HF templates expect them."""
-        plain: list[dict[str, Any]] = [{"role": m.role, "content": m.text} | ({"name": m.name} if m.name else {})
-                                       for m in messages]
+        Messages (their tool calls and tool results too), `tools` (OpenAI tool definitions) and
+        `template_kwargs` (a request's `chat_template_kwargs`, e.g. enable_thinking) reach the
+        template as transformers' `apply_chat_template` passes them."""
         try:
             return self._template.render(
-                messages=plain,
+                **(template_kwargs or {}),
+                messages=[m.template_dict() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
@@ -98,3 +115,8 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise APIError(f"The chat template refused these messages: {exc}", param="messages") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+            # A template that fails on a shape it did not expect (e.g. content null where it
+            # concatenates strings) is the request's problem, not the server's.
+            raise APIError(f"The chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                           param="messages") from None

@@ -237,7 +237,8 @@ class EngineDeployment:
         self._settings = IngressSettings(**settings)
         overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s,
                                   self._settings.admission_capacity)
-        self._serving = OpenAIServing(self._host.model_info(), self._host, overload, self._settings.request_timeout_s)
+        self._serving = OpenAIServing(self._host.model_info(), self._host, overload, self._settings.request_timeout_s,
+                                      self._settings.tool_call_parser, self._settings.reasoning_parser)
         runtime = engine.runtime
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d "
                     "admission=%d api key %s", model, runtime.device, runtime.dtype, runtime.max_model_len,

@@ -109,10 +109,11 @@ STYLES: dict[str, dict[str, Any]] = {
                "added": [], "bos": "<|begin_of_text|>", "eos": "<|eot_id|>",
                "generation_eos": ["<|end_of_text|>", "<|eot_id|>"], "template": LLAMA3_TEMPLATE,
                "prepend_bos": True},
-    "qwen2.5": {"special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "added": [], "bos": None,
+    "qwen2.5": {"special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None,
+                "added": ["<tool_call>", "</tool_call>"],
                 "eos": "<|im_end|>", "generation_eos": ["<|im_end|>", "<|endoftext|>"],
                 "template": QWEN25_TEMPLATE, "prepend_bos": False},
-    "qwen3": {"special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "added": ["<think>", "</think>"],
+    "qwen3": {"special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "added": ["<think>", "</think>", "<tool_call>", "</tool_call>"],
               "bos": None, "eos": "<|im_end|>", "generation_eos": ["<|im_end|>", "<|endoftext|>"],
               "template": QWEN3_TEMPLATE, "prepend_bos": False},
 }

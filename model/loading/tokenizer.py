@@ -180,6 +180,18 @@ class HFTokenizer:
         _check_id(token_id, self.vocab_size)
         return self._id_bytes[token_id]
 
+    def reveal_special_tokens(self, tokens: list[str]) -> list[str]:
+        """Let these special tokens stream as their text (they decode to nothing otherwise):
+        a tool-call format that writes one, such as Mistral's `[TOOL_CALLS]`, is parsed from
+        the text. Returns the tokens that changed. Call before the first request."""
+        revealed = []
+        for token in tokens:
+            i = self._tok.token_to_id(token)
+            if i is not None and i < len(self._id_bytes) and not self._id_bytes[i]:
+                self._id_bytes[i] = token.encode("utf-8")
+                revealed.append(token)
+        return revealed
+
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

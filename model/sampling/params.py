@@ -60,14 +60,15 @@ _SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "
 _OPTIONAL = frozenset({"seed", "logprobs"})  # None: not set
 
 
-STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object")
+STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredSpec:
     """One structured-output constraint as text: what `model/sampling/structured.py` compiles and
     caches. `kind` is "json" (a JSON schema), "json_object", "regex", "choice" (a JSON
-    array of the allowed strings) or "grammar" (EBNF)."""
+    array of the allowed strings), "grammar" (EBNF) or "structural_tag" (xgrammar's structural
+    tag, JSON: free text that switches to a constrained format after a trigger, as tool calls do)."""
 
     kind: str
     text: str
@@ -104,6 +105,7 @@ class SamplingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict[str, Any] | str | None = None
     # An attention request (model.inspect.attention_spec.AttentionSpec): when it finishes, the engine
     # returns the per-head attention weights of its tokens with the output.
     attention: Any = None
@@ -139,8 +141,10 @@ class SamplingParams:
         given = [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]
         if len(given) > 1:
             raise ValueError(f"give at most one structured-output constraint, got {', '.join(given)}")
-        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
-            raise ValueError(f"json_schema must be a dict or a JSON string, got {type(self.json_schema).__name__}")
+        for name in ("json_schema", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (dict, str)):
+                raise ValueError(f"{name} must be a dict or a JSON string, got {type(value).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -166,6 +170,9 @@ class SamplingParams:
             return StructuredSpec("grammar", self.grammar)
         if self.json_object:
             return StructuredSpec("json_object", "")
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            return StructuredSpec("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
         return None
 
     @property

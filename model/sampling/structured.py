@@ -1,5 +1,5 @@
-"""Structured outputs: JSON schema, JSON object, regex, choice and EBNF grammar constraints
-enforced while decoding, with xgrammar (the grammar engine vLLM and SGLang use).
+"""Structured outputs: JSON schema, JSON object, regex, choice, EBNF grammar and structural-tag
+constraints enforced while decoding, with xgrammar (the grammar engine vLLM and SGLang use).
 
 A constraint (`StructuredSpec`) is compiled once per tokenizer and cached by its text; the
 compile is thread-safe, so callers do it off the engine's step thread (`prepare`) and the
@@ -73,6 +73,25 @@ def _clean(exc: Exception) -> str:
     return _ERROR_PREFIX.sub("", text)
 
 
+def _fixed(grammar: Any) -> Any:
+    """`grammar` with its length-limited JSON strings unable to hold control characters."""
+    text = str(grammar)
+    return _xgr().Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)) if _LAX_STRING_CHAR in text \
+        else grammar
+
+
+@lru_cache(maxsize=512)
+def _schema_ebnf(text: str) -> str:
+    schema = _enums_as_patterns(json.loads(text))
+    return str(_fixed(_xgr().Grammar.from_json_schema(json.dumps(schema), **_JSON_OPTIONS)))
+
+
+def json_schema_ebnf(schema: dict[str, Any]) -> str:
+    """The EBNF (root rule `root`) of compact JSON valid against `schema`, as the `json` kind
+    constrains it: what a structural tag embeds for a tool's arguments."""
+    return _schema_ebnf(json.dumps(schema))
+
+
 @lru_cache(maxsize=512)
 def build_grammar(spec: StructuredSpec) -> Any:
     """The tokenizer-independent `xgrammar.Grammar` of `spec`; ValueError naming the field
@@ -80,12 +99,12 @@ def build_grammar(spec: StructuredSpec) -> Any:
     to answer 400 before anything is queued."""
     xgr = _xgr()
     field = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-             "json_object": "json_object"}[spec.kind]
+             "json_object": "json_object", "structural_tag": "structural_tag"}[spec.kind]
     try:
         if spec.kind == "json":
-            schema = _enums_as_patterns(json.loads(spec.text))
-            text = str(xgr.Grammar.from_json_schema(json.dumps(schema), **_JSON_OPTIONS))
-            return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
+            return xgr.Grammar.from_ebnf(_schema_ebnf(spec.text))
+        if spec.kind == "structural_tag":
+            return _fixed(xgr.Grammar.from_structural_tag(spec.text))
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', **_JSON_OPTIONS)
         if spec.kind == "regex":

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.engine.sequence import RequestOutput, TokenLogprob
+from service.tools.answer import AnswerEvent, AnswerParser, AnswerPlan, ReasoningEvent
+from service.tools.parser import ArgumentsEvent, CallStartEvent, TextEvent
+from service.tools.reasoning import count_reasoning_tokens
 
 
 @dataclass
@@ -131,6 +134,13 @@ class CompletionFormat:
         chunk["choices"][0]["logprobs"] = self._echo_logprobs(self.echo_prompts[prompt_index], lps)
         return chunk
 
+    def chunks(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
+               offset: int = 0) -> list[dict[str, Any]]:
+        return [self.chunk(index, text, lps, finish_reason, offset)]
+
+    def add_usage_details(self, usage_: dict[str, Any], choices: list[ChoiceState]) -> dict[str, Any]:
+        return usage_
+
     def chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
               offset: int = 0) -> dict[str, Any]:
         """A stream chunk carrying `text` for choice `index`; `offset` is where it starts."""
@@ -157,37 +167,37 @@ class CompletionFormat:
                 "choices": body, "usage": usage_}
 
 
-def tool_call_message(text: str, finish_reason: str | None, forced_tool: str) -> tuple[dict[str, Any], str | None]:
-    """The assistant message and finish reason of a choice whose output was constrained to a
-    tool call (`forced_tool`: "required", output {"name", "arguments"}, or the function's name,
-    output its arguments). A call cut short (length, stop string) stays text."""
-    try:
-        value = json.loads(text) if finish_reason == "stop" else None
-    except ValueError:
-        value = None
-    if value is None or (forced_tool == "required" and not isinstance(value, dict)):
-        return {"role": "assistant", "content": text}, finish_reason
-    if forced_tool == "required":
-        name, arguments = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
-    else:
-        name, arguments = forced_tool, text
-    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
-
-
 class ChatFormat:
-    """Bodies of `/v1/chat/completions`. With `forced_tool` ("required" or a function name)
-    each choice's text is a tool call: streamed chunks hold it back and the last one carries
-    it whole as `delta.tool_calls`."""
+    """Bodies of `/v1/chat/completions`. Each choice's text goes through its answer's parser
+    (service/tools/answer.py): reasoning comes back as `reasoning_content` (and `reasoning`),
+    calls as `tool_calls`, streamed as OpenAI streams them (a call's first delta carries its
+    index, id, type and name; the next ones pieces of its JSON arguments)."""
 
     def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, logprobs: int | None,
-                 forced_tool: str | None = None) -> None:
+                 plan: AnswerPlan | None = None) -> None:
         self.request_id, self.model, self.created = request_id, model, created
         self._tokens = _TokenText(tokenizer)
+        self._tokenizer = tokenizer
         self._want_logprobs = logprobs is not None
-        self._forced_tool = forced_tool
-        self._held: dict[int, str] = {}  # tool-call text streamed so far, by choice index
+        self._plan = plan or AnswerPlan(None, None, None)
+        self._parsers: dict[int, AnswerParser] = {}
+        self._call_ids: dict[int, list[str]] = {}
+
+    @property
+    def thinks(self) -> bool:
+        return self._plan.reasoning is not None and self._plan.reasoning.thinks
+
+    def _parser(self, index: int) -> AnswerParser:
+        if index not in self._parsers:
+            self._parsers[index] = self._plan.parser()
+            self._call_ids[index] = []
+        return self._parsers[index]
+
+    def _call_id(self, index: int, call: int) -> str:
+        ids = self._call_ids[index]
+        while len(ids) <= call:
+            ids.append(self._plan.tool_format.call_id() if self._plan.tool_format else f"call_{uuid.uuid4().hex[:24]}")
+        return ids[call]
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw = self._tokens.bytes(token_id)
@@ -208,39 +218,71 @@ class ChatFormat:
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
-    def chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
-              offset: int = 0) -> dict[str, Any]:
-        if self._forced_tool is not None:
-            return self._tool_chunk(index, text, lps, finish_reason)
-        delta = {"content": text} if text or finish_reason is None else {}
-        return self._chunk([{"index": index, "delta": delta, "logprobs": self._logprobs(lps),
-                             "finish_reason": finish_reason}])
+    def _delta(self, index: int, event: AnswerEvent) -> dict[str, Any]:
+        if isinstance(event, ReasoningEvent):
+            return {"reasoning_content": event.text, "reasoning": event.text}
+        if isinstance(event, TextEvent):
+            return {"content": event.text}
+        if isinstance(event, CallStartEvent):
+            return {"tool_calls": [{"index": event.index, "id": self._call_id(index, event.index), "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}]}
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
-    def _tool_chunk(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None) -> dict[str, Any]:
-        held = self._held.get(index, "") + text
-        delta: dict[str, Any] = {}
-        if finish_reason is None:
-            self._held[index] = held
-        else:
-            self._held.pop(index, None)
-            message, finish_reason = tool_call_message(held, finish_reason, self._forced_tool or "")
-            if message.get("tool_calls"):
-                delta = {"tool_calls": [{"index": 0} | call for call in message["tool_calls"]]}
-            elif held:
-                delta = {"content": held}
-        return self._chunk([{"index": index, "delta": delta, "logprobs": self._logprobs(lps),
-                             "finish_reason": finish_reason}])
+    def _finish_reason(self, index: int, finish_reason: str | None) -> str | None:
+        calls = self._parser(index).calls
+        if finish_reason == "stop" and calls and all(c.complete for c in calls):
+            return "tool_calls"
+        return finish_reason
 
-    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+    def chunks(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
+               offset: int = 0) -> list[dict[str, Any]]:
+        """The chunks of one delta of choice `index`: one per kind of output it holds (the
+        logprobs with the first, the finish reason with the last)."""
+        events = self._parser(index).feed(text, final=finish_reason is not None)
+        deltas = [self._delta(index, e) for e in events] or [{} if finish_reason is not None else {"content": ""}]
+        out = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            out.append(self._chunk([{"index": index, "delta": delta,
+                                     "logprobs": self._logprobs(lps) if k == 0 else None,
+                                     "finish_reason": self._finish_reason(index, finish_reason) if last else None}]))
+        return out
+
+    def usage_chunk(self, usage_: dict[str, Any]) -> dict[str, Any]:
         return self._chunk([]) | {"usage": usage_}
 
-    def response(self, choices: list[ChoiceState], prefixes: list[str], usage_: dict[str, int]) -> dict[str, Any]:
+    def add_usage_details(self, usage_: dict[str, Any], choices: list[ChoiceState]) -> dict[str, Any]:
+        """`completion_tokens_details.reasoning_tokens` for a model that thinks (every choice's
+        text must have gone through its parser)."""
+        if self.thinks:
+            reasoning = sum(count_reasoning_tokens(c.token_ids, c.text, self._parser(c.index).reasoning_chars,
+                                                   self._tokenizer) for c in choices)
+            usage_["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage_
+
+    def message(self, choice: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        """The whole assistant message of a finished choice and its finish reason."""
+        events = self._parser(choice.index).feed(choice.text, final=True)
+        text = "".join(e.text for e in events if isinstance(e, TextEvent))
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningEvent))
+        calls = [(e.index, e.name) for e in events if isinstance(e, CallStartEvent)]
+        args: dict[int, str] = {}
+        for e in events:
+            if isinstance(e, ArgumentsEvent):
+                args[e.index] = args.get(e.index, "") + e.text
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if self.thinks:
+            message["reasoning_content"] = message["reasoning"] = reasoning or None
+        if calls:
+            message["tool_calls"] = [{"id": self._call_id(choice.index, i), "type": "function",
+                                      "function": {"name": name, "arguments": args.get(i, "")}} for i, name in calls]
+        return message, self._finish_reason(choice.index, choice.finish_reason)
+
+    def response(self, choices: list[ChoiceState], prefixes: list[str], usage_: dict[str, Any]) -> dict[str, Any]:
         body = []
         for c in choices:
-            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            if self._forced_tool is not None:
-                message, reason = tool_call_message(c.text, c.finish_reason, self._forced_tool)
+            message, reason = self.message(c)
             body.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
                          "finish_reason": reason})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": body, "usage": usage_}
+                "choices": body, "usage": self.add_usage_details(usage_, choices)}

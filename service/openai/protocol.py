@@ -9,9 +9,11 @@ field is a 400 naming it. Response bodies are built in `service/openai/formats.p
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from model.sampling.params import PARAM_RANGES, SamplingParams
 
@@ -217,7 +219,7 @@ class _SamplingFields(_Request):
         """The structured-output constraint as (the field it came from, SamplingParams keyword
         arguments), or None. Raises ValueError, naming the field first, when two fields each ask for one."""
         found: list[tuple[str, dict[str, Any]]] = []
-        fmt = self.response_format
+        fmt = None if self._response_format_absorbed else self.response_format
         if fmt is not None and fmt.type == "json_object":
             found.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
@@ -231,6 +233,8 @@ class _SamplingFields(_Request):
 
     def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
         return []
+
+    _response_format_absorbed: bool = PrivateAttr(default=False)
 
     def to_sampling_params(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         """Decoding parameters of choice `choice`, generating at most `max_tokens` (the
@@ -341,10 +345,58 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    """`tool_calls[].function` of an assistant message: `arguments` is JSON text (OpenAI) or an
+    object; either reaches the chat template as the object transformers' templates expect."""
+
+    name: str
+    arguments: str | dict[str, Any]
+
+    @field_validator("arguments", mode="plain")
+    @classmethod
+    def _json_object(cls, value: Any) -> dict[str, Any]:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("must be a JSON object (as text), got text that is not JSON") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        return value
+
+
+class ToolCallItem(_Request):
+    id: Annotated[str, Field(max_length=256)] | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# Message fields clients send that say nothing to the model (output-only or empty): accepted and
+# left out of the prompt. Any field not declared here or on ChatMessage is a 400 naming it.
+_IGNORED_MESSAGE_FIELDS = {"refusal": (None,), "audio": (None,), "function_call": (None,), "annotations": ()}
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallItem], Field(max_length=128)] | None = None  # assistant
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool: the call it answers
+    reasoning_content: str | None = None  # assistant: its earlier thinking (also as `reasoning`)
+    reasoning: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key in cls.model_fields:
+                    continue
+                neutral = _IGNORED_MESSAGE_FIELDS.get(key)
+                if neutral is None or (neutral and value not in neutral):
+                    raise ValueError(f"message field {key!r} is not supported by this server; leave it out")
+            data = {k: v for k, v in data.items() if k in cls.model_fields}
+        return data
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -363,9 +415,15 @@ class ChatMessage(_Request):
         raise ValueError("must be a string or an array of text parts")
 
     @model_validator(mode="after")
-    def _needs_content(self) -> "ChatMessage":
+    def _fields_fit_the_role(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message must have content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not to a {self.role} message")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError(f"reasoning belongs to assistant messages, not to a {self.role} message")
         return self
 
     @property
@@ -374,6 +432,27 @@ class ChatMessage(_Request):
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as transformers' `apply_chat_template` takes it: content a string (parts
+        joined) or None, call arguments as objects, only the fields that are set."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text if isinstance(self.content, list)
+                               else self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 if c.id is not None else
+                                 {"type": c.type, "function": {"name": c.function.name,
+                                                               "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        return out
 
 
 class FunctionSpec(_Request):
@@ -397,16 +476,16 @@ class NamedToolChoice(_Request):
     function: _FunctionName
 
 
-_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+MAX_TEMPLATE_KWARGS = 32
+# Variables the server itself gives the chat template: chat_template_kwargs cannot replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
-def tool_call_schema(tools: list[Tool]) -> dict[str, Any]:
-    """What a forced call (`tool_choice: "required"`) must be: {"name": ..., "arguments": {...}}
-    for one of `tools`."""
-    return {"anyOf": [{"type": "object",
-                       "properties": {"name": {"const": t.function.name},
-                                      "arguments": t.function.parameters or _NO_PARAMETERS},
-                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"{key!r} is set by the server and cannot be passed to the chat template")
+    return kwargs
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -423,8 +502,9 @@ class ChatCompletionRequest(_SamplingFields):
     audio: Any = None
     modalities: Any = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool | None = None  # default: true, as OpenAI
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
 
     @field_validator(*UNSUPPORTED_CHAT, mode="plain")
     @classmethod
@@ -438,13 +518,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    @field_validator("parallel_tool_calls")
+    @field_validator("chat_template_kwargs")
     @classmethod
-    def _one_call(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("parallel_tool_calls: true is not supported (one tool call per choice); "
-                             "send false or leave it out")
-        return value
+    def _not_reserved(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_template_kwargs(kwargs)
 
     @field_validator("tool_choice", mode="plain")
     @classmethod
@@ -467,21 +544,36 @@ class ChatCompletionRequest(_SamplingFields):
         return choice
 
     @property
-    def forced_tool(self) -> str | None:
-        """"required", or the name of the function that must be called; None when the model
-        answers in text ("none", "auto" or no tools)."""
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or the name of the function that must be called ("none"
+        without tools; "auto" when tools come without a choice, as OpenAI)."""
+        if not self.tools:
+            return "none"
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
-        return "required" if self.tool_choice == "required" else None
+        return self.tool_choice or "auto"
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (none when the model may not call them)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def function_tools(self) -> list[dict[str, Any]]:
+        """The tools as {"name", "parameters"}."""
+        return [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools or []]
+
+    def use_tool_constraint(self, field: str, kwargs: dict[str, Any], absorbs_response_format: bool) -> None:
+        """Constrain the output for its tools (service/tools/answer.py), the request's
+        response_format included when `absorbs_response_format`."""
+        self._tool_kwargs = (field, kwargs)
+        self._response_format_absorbed = absorbs_response_format
+
+    _tool_kwargs: tuple[str, dict[str, Any]] | None = PrivateAttr(default=None)
 
     def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
-        forced = self.forced_tool
-        if forced is None:
-            return []
-        if forced == "required":
-            return [("tools", {"json_schema": tool_call_schema(self.tools or [])})]
-        tool = next(t for t in self.tools or [] if t.function.name == forced)
-        return [("tools", {"json_schema": tool.function.parameters or _NO_PARAMETERS})]
+        return [self._tool_kwargs] if self._tool_kwargs else []
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -497,6 +589,17 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_template_kwargs(kwargs)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -513,4 +616,4 @@ class DetokenizeRequest(_Request):
 
 
 SAMPLING_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {
-    "max_completion_tokens", "top_logprobs", "response_format", "structured_outputs", "tools"}
+    "max_completion_tokens", "top_logprobs", "response_format", "structured_outputs", "tools", "tool_choice"}

@@ -27,7 +27,12 @@ from service.engine_loop import SubRequest
 from service.errors import APIError, from_value_error, overloaded_error
 from service.openai.formats import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
 from service.model_info import ModelInfo
-from service.openai.protocol import SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt
+from service.openai.protocol import (SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt,
+                                     TokenizeRequest)
+from service.tools.answer import AnswerPlan, plan_answer
+from service.tools.formats import resolve_format
+from service.tools.reasoning import MARKER_TOKENS as REASONING_MARKERS
+from service.tools.reasoning import ReasoningMode, resolve_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +44,11 @@ class OpenAIServing:
     stream: `service.engine_deployment.EngineHost` in the replica, a stand-in in some tests)."""
 
     def __init__(self, info: ModelInfo, engine: Any, overload: OverloadPolicy,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, tool_call_parser: str = "auto",
+                 reasoning_parser: str = "auto") -> None:
+        """`tool_call_parser`: "auto" (the format the chat template writes calls in), "none" or
+        a format name (service/tools/formats.py); `reasoning_parser`: "auto" (split `<think>`
+        when the template thinks), "none", "qwen3" or "deepseek_r1"."""
         self.info = info
         self.tokenizer = info.tokenizer
         self._engine = engine
@@ -48,6 +57,21 @@ class OpenAIServing:
         tok = info.tokenizer
         self.chat_template = ChatTemplate(tok.chat_template, bos_token=tok.bos_token or "",
                                           eos_token=tok.eos_token or "")
+        self.tool_format = resolve_format(tool_call_parser, self.chat_template.source)
+        self.reasoning = resolve_reasoning(reasoning_parser, self.chat_template.source)
+        # Special tokens a format writes (Mistral's [TOOL_CALLS]) must reach the text that is parsed.
+        markers = [*(self.tool_format.marker_tokens if self.tool_format else ()),
+                   *(REASONING_MARKERS if self.reasoning else ())]
+        revealed = getattr(tok, "reveal_special_tokens", lambda _: [])(markers)
+        logger.info("tool calls: %s; reasoning: %s%s", self.tool_format.name if self.tool_format else "text only",
+                    "split" if self.reasoning else "off",
+                    f"; special tokens written as text: {', '.join(revealed)}" if revealed else "")
+
+    def render_chat(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The prompt text of a chat request (tools, tool history and template kwargs included)."""
+        assert req.messages is not None
+        return self.chat_template.render(req.messages, req.add_generation_prompt, req.template_tools,
+                                         req.chat_template_kwargs)
 
     def engine_call(self, requests: list[SubRequest]) -> EngineCall:
         """The engine call of one HTTP request, through this replica's admission gate."""
@@ -59,10 +83,7 @@ class OpenAIServing:
         router routes by (service/prefix_route.py)."""
         try:
             if b'"messages"' in body:
-                chat = ChatCompletionRequest.model_validate_json(body)
-                tools = ([t.model_dump(exclude_none=True) for t in chat.tools]
-                         if chat.tools and chat.tool_choice != "none" else None)
-                text = self.chat_template.render(chat.messages, chat.add_generation_prompt, tools)
+                text = self.render_chat(ChatCompletionRequest.model_validate_json(body))
                 return self.tokenizer.encode(text, add_special_tokens=False)
             req = CompletionRequest.model_validate_json(body)
             first = req.prompts[0]
@@ -135,13 +156,30 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the messages through the chat template, then as completions."""
         self.check_model(req.model)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
-        text = self.chat_template.render(req.messages, req.add_generation_prompt, tools)
+        text = self.render_chat(req)
         prompts = [self.token_ids(text, param="messages", add_special_tokens=False)]
+        plan = self._plan(req, text)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
-                         req.logprobs_count(), forced_tool=req.forced_tool)
+                         req.logprobs_count(), plan)
         return await self._generate(request_id, prompts, req, fmt, [""] * req.n)
+
+    def _plan(self, req: ChatCompletionRequest, prompt: str) -> AnswerPlan:
+        """How the answer is constrained and read back; binds the tool constraint to `req`."""
+        reasoning = ReasoningMode.of_prompt(prompt) if self.reasoning else None
+        response_schema = None
+        if req.response_format is not None and req.response_format.type == "json_schema":
+            response_schema = req.response_format.json_schema.schema_ if req.response_format.json_schema else None
+        elif req.response_format is not None and req.response_format.type == "json_object":
+            response_schema = {"type": "object"}
+        try:
+            plan = plan_answer(req.function_tools(), req.tool_mode, req.parallel_tool_calls is not False,
+                               self.tool_format, reasoning, response_schema)
+        except ValueError as exc:
+            raise APIError(str(exc), param="tools") from None
+        if plan.constraint is not None and plan.tool_format is not None:
+            req.use_tool_constraint("tools", plan.constraint, plan.absorbs_response_format)
+        return plan
 
     async def _generate(self, request_id: str, prompts: list[list[int]],
                         req: CompletionRequest | ChatCompletionRequest, fmt: CompletionFormat | ChatFormat,
@@ -197,10 +235,12 @@ class OpenAIServing:
                     prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
                     if echo_logprobs and prompt_lps is not None:
                         yield event(fmt.echo_chunk(index, c.prompt_index, prefixes[index], prompt_lps), c)
-                    yield event(self._delta_chunk(fmt, c, outs, len(prefixes[index])), c)
+                    for chunk in self._delta_chunks(fmt, c, outs, len(prefixes[index])):
+                        yield event(chunk, c)
             if include_usage:
                 completion_tokens = sum(c.num_output_tokens for c in choices)
-                yield sse(fmt.usage_chunk(usage(sum(prompt_lens), completion_tokens, cached_tokens(choices))))
+                totals = usage(sum(prompt_lens), completion_tokens, cached_tokens(choices))
+                yield sse(fmt.usage_chunk(fmt.add_usage_details(totals, choices)))
         except APIError as exc:
             yield sse(exc.body())
         except asyncio.CancelledError:
@@ -213,14 +253,14 @@ class OpenAIServing:
         yield SSE_DONE
 
     @staticmethod
-    def _delta_chunk(fmt: CompletionFormat | ChatFormat, choice: ChoiceState, outs: list[RequestOutput],
-                     prefix_len: int) -> dict[str, Any]:
+    def _delta_chunks(fmt: CompletionFormat | ChatFormat, choice: ChoiceState, outs: list[RequestOutput],
+                      prefix_len: int) -> list[dict[str, Any]]:
         offset = prefix_len + choice.num_chars
         lps_before = len(choice.logprobs)
         for out in outs:
             choice.add(out)
         text = "".join(out.new_text for out in outs)
-        return fmt.chunk(choice.index, text, choice.logprobs[lps_before:], choice.finish_reason, offset)
+        return fmt.chunks(choice.index, text, choice.logprobs[lps_before:], choice.finish_reason, offset)
 
 
 def _check_constraint(req: CompletionRequest | ChatCompletionRequest, params: SamplingParams) -> None:

@@ -1,0 +1,1 @@
+"""Tool calls and reasoning: the model families' formats, incremental parsing, answer plans."""
