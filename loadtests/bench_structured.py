@@ -13,7 +13,13 @@ library's sources (deterministic, nothing downloaded).
   limits, formats) for this tokenizer: cold (a fresh compiler) and cached; the one-off tokenizer
   set-up; the per-step mask cost of one constrained row.
 
-    .venv/bin/python loadtests/bench_structured.py [--requests 32] [--rounds 3] [--out results/bench_structured.json]
+With `--constraint auto` the even requests carry the constraint of `tool_choice: "auto"` over two
+tools in the Hermes format (free text watched for `<tool_call>`, a schema-valid call after it:
+what every agent request pays per token); `--constraint required` forces calls from the first
+token (the cost inside a call).
+
+    .venv/bin/python loadtests/bench_structured.py [--constraint json|auto|required] [--requests 32] [--rounds 3]
+                                                   [--out results/bench_structured.json]
 """
 
 from __future__ import annotations
@@ -106,13 +112,32 @@ def build_checkpoint(directory: Path, vocab: int) -> Path:
     return directory
 
 
-def batch(n: int, constrained: bool, lengths: list[int] | None) -> list[SamplingParams]:
-    """Request i: seed i, temperature 1.0; even ones JSON-constrained (when `constrained`),
+TOOLS = [{"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                               "unit": {"enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "days"], "additionalProperties": False}},
+         {"name": "lookup", "parameters": PERSON}]
+
+
+def constraint_kwargs(kind: str) -> dict:
+    """The SamplingParams of one constrained request of `kind`."""
+    if kind == "json":
+        return {"max_tokens": 256, "json_schema": PERSON}
+    from service.tools.answer import plan_answer
+    from service.tools.formats import FORMATS
+
+    plan = plan_answer(TOOLS, kind, True, FORMATS["hermes"], None)
+    return {"max_tokens": 64 if kind == "auto" else 256, **plan.constraint}
+
+
+def batch(n: int, constrained: bool, lengths: list[int] | None, kind: str = "json") -> list[SamplingParams]:
+    """Request i: seed i, temperature 1.0; even ones constrained by `kind` (when `constrained`),
     else `lengths[i]` (or 64) tokens of free text."""
     out = []
     for i in range(n):
         if constrained and i % 2 == 0:
-            out.append(SamplingParams(max_tokens=256, temperature=1.0, seed=i, json_schema=PERSON))
+            out.append(SamplingParams(temperature=1.0, seed=i, **constraint_kwargs(kind)))
         else:
             out.append(SamplingParams(max_tokens=lengths[i] if lengths else 64, temperature=1.0, seed=i,
                                       ignore_eos=True))
@@ -125,12 +150,12 @@ def timed_generate(llm: LLM, prompts: list[str], params: list[SamplingParams]) -
     return time.perf_counter() - t0, [len(o.token_ids) for o in outs]
 
 
-def throughput(llm: LLM, n: int, rounds: int) -> dict[str, float]:
+def throughput(llm: LLM, n: int, rounds: int, kind: str = "json") -> dict[str, float]:
     prompts = [f"Record {i}: describe the person as JSON." for i in range(n)]
-    _, lengths = timed_generate(llm, prompts, batch(n, True, None))  # warm-up; compiles PERSON
+    _, lengths = timed_generate(llm, prompts, batch(n, True, None, kind))  # warm-up; compiles the constraint
     constrained, plain = [], []
     for _ in range(rounds):  # alternated, so drift in the machine's load hits both alike
-        secs, got = timed_generate(llm, prompts, batch(n, True, None))
+        secs, got = timed_generate(llm, prompts, batch(n, True, None, kind))
         assert got == lengths, "same seeds must give the same lengths"
         constrained.append(secs)
         secs, got = timed_generate(llm, prompts, batch(n, False, lengths))
@@ -173,6 +198,7 @@ def compile_times(llm: LLM) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--constraint", choices=["json", "auto", "required"], default="json")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -187,11 +213,15 @@ def main() -> None:
         llm = LLM(str(ckpt), device="cpu", dtype="float32", engine_config=EngineConfig(
             max_num_seqs=args.requests, kv_cache_bytes=512 << 20))
         result = {"vocab_size": llm.engine.model_config.vocab_size, "torch_threads": args.threads,
-                  "throughput": throughput(llm, args.requests, args.rounds), "compile": compile_times(llm)}
+                  "constraint": args.constraint,
+                  "throughput": throughput(llm, args.requests, args.rounds, args.constraint),
+                  "compile": compile_times(llm)}
     tp, cp = result["throughput"], result["compile"]
     print(f"\n{'batch of ' + str(tp['requests']):<34}{'seconds':>10}{'tokens/s':>12}")
     print(f"{'unconstrained':<34}{tp['unconstrained_s']:>10.2f}{tp['unconstrained_tok_s']:>12.1f}")
-    print(f"{'half JSON-schema constrained':<34}{tp['constrained_s']:>10.2f}{tp['constrained_tok_s']:>12.1f}")
+    label = {"json": "half JSON-schema constrained", "auto": "half tool_choice auto (hermes)",
+             "required": "half tool_choice required"}[args.constraint]
+    print(f"{label:<34}{tp['constrained_s']:>10.2f}{tp['constrained_tok_s']:>12.1f}")
     print(f"slowdown: {tp['slowdown'] * 100:+.1f}% (target <= +10%); {tp['generated_tokens']} tokens per run, "
           f"constrained outputs {tp['constrained_mean_tokens']:.0f} tokens on average")
     print(f"\n{'20-field schema, vocab ' + str(result['vocab_size']):<34}{'ms':>10}")

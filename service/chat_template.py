@@ -97,6 +97,7 @@ class ChatTemplate:
             logger.warning("the tokenizer's chat template does not compile (%s); using the default", exc)
             self.source, self.is_default = DEFAULT_CHAT_TEMPLATE, True
             self._template = _compile(DEFAULT_CHAT_TEMPLATE)
+        self._knows_developer = "developer" in self.source
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
@@ -104,10 +105,13 @@ class ChatTemplate:
         Messages (their tool calls and tool results too), `tools` (OpenAI tool definitions) and
         `template_kwargs` (a request's `chat_template_kwargs`, e.g. enable_thinking) reach the
         template as transformers' `apply_chat_template` passes them."""
+        plain = [m.template_dict() for m in messages]
+        if not self._knows_developer:  # OpenAI's newer name for the system role
+            plain = [m | {"role": "system"} if m["role"] == "developer" else m for m in plain]
         try:
             return self._template.render(
                 **(template_kwargs or {}),
-                messages=[m.template_dict() for m in messages],
+                messages=plain,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,

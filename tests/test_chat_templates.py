@@ -1,8 +1,8 @@
 """Chat prompts equal to HF transformers': the token ids the HTTP edge sends to the engine for
 `/v1/chat/completions` (and returns from `/tokenize`) are exactly
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` for
-templates in the styles of Llama 3, Qwen2.5 and Qwen3; completions follow the tokenizer's
-post-processor as `tokenizer(text)` does."""
+templates in the styles of Llama 3, Qwen2.5, Qwen3 and Mistral; completions follow the tokenizer's
+post-processor as `tokenizer(text)` does. Tools and tool history: tests/test_tool_history.py."""
 
 from __future__ import annotations
 

@@ -157,3 +157,21 @@ def test_compiled_once_per_text(byte_llm: LLM) -> None:
     structured = byte_llm.engine.structured
     assert structured.compiled(spec) is structured.compiled(spec)
     assert build_grammar(spec) is build_grammar(StructuredSpec("json", json.dumps(PERSON)))
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 3}, {"type": "string"}])
+def test_json_strings_take_no_encoded_surrogates(schema: dict) -> None:
+    """xgrammar alone takes ED A0 80 (an encoded surrogate) as one character; it decodes as three
+    U+FFFD, past a maxLength. Our grammar refuses it and still takes real multi-byte text."""
+    from model.loading.tokenizer import ByteTokenizer
+    from model.sampling.structured import StructuredOutputs
+
+    tok = ByteTokenizer()
+    outputs = StructuredOutputs(tok, tok.vocab_size, [tok.eos_token_id])
+
+    def accepts(raw: bytes) -> bool:
+        constraint = outputs.constraint(SamplingParams(json_schema=schema))
+        return all(constraint.accept(b) for b in raw) and constraint.accept(tok.eos_token_id)
+
+    assert accepts('"é€"'.encode()) and accepts(b'"ab"')
+    assert not accepts(b'"\xed\xa0\x80"') and not accepts(b'"a\xed\xbf\xbf"')

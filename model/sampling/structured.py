@@ -26,10 +26,11 @@ from model.sampling.params import SamplingParams, StructuredSpec
 logger = logging.getLogger(__name__)
 
 # xgrammar (0.2.9) writes a length-limited JSON string (maxLength/minLength) as characters
-# `[^"\\\r\n]`, which lets raw control characters through: strict JSON parsers reject those.
-# The same class without U+0000..U+001F is what its unlimited strings use.
-_LAX_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
+# `[^"\\\r\n]`, which lets raw control characters through: strict JSON parsers reject those. Its
+# string classes also take UTF-8-encoded surrogates (ED A0..BF xx) as one character, which decode
+# as three U+FFFD (and break length limits). The classes are rewritten without both.
+_STRING_CLASSES = {r'[^\"\\\r\n]': r'[^\"\\\0-\x1f\ud800-\udfff]',
+                   r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\\r\n\ud800-\udfff]'}
 _ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 _REGEX_SPECIAL = frozenset("\\.^$*+?{}[]|()/")
 # Compact JSON (", " and ": " separators, no free whitespace): a model cannot stall in a run
@@ -74,10 +75,13 @@ def _clean(exc: Exception) -> str:
 
 
 def _fixed(grammar: Any) -> Any:
-    """`grammar` with its length-limited JSON strings unable to hold control characters."""
+    """`grammar` with its JSON strings unable to hold control characters or surrogates."""
     text = str(grammar)
-    return _xgr().Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)) if _LAX_STRING_CHAR in text \
-        else grammar
+    if not any(lax in text for lax in _STRING_CLASSES):
+        return grammar
+    for lax, strict in _STRING_CLASSES.items():
+        text = text.replace(lax, strict)
+    return _xgr().Grammar.from_ebnf(text)
 
 
 @lru_cache(maxsize=512)

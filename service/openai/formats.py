@@ -185,7 +185,8 @@ class ChatFormat:
 
     @property
     def thinks(self) -> bool:
-        return self._plan.reasoning is not None and self._plan.reasoning.thinks
+        """The served model thinks: answers carry reasoning fields (null when it did not)."""
+        return self._plan.reasoning is not None
 
     def _parser(self, index: int) -> AnswerParser:
         if index not in self._parsers:
@@ -255,7 +256,7 @@ class ChatFormat:
         """`completion_tokens_details.reasoning_tokens` for a model that thinks (every choice's
         text must have gone through its parser)."""
         if self.thinks:
-            reasoning = sum(count_reasoning_tokens(c.token_ids, c.text, self._parser(c.index).reasoning_chars,
+            reasoning = sum(count_reasoning_tokens(c.token_ids, self._parser(c.index).reasoning_chars,
                                                    self._tokenizer) for c in choices)
             usage_["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return usage_

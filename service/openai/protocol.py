@@ -347,22 +347,28 @@ class TextPart(_Request):
 
 class FunctionCall(_Request):
     """`tool_calls[].function` of an assistant message: `arguments` is JSON text (OpenAI) or an
-    object; either reaches the chat template as the object transformers' templates expect."""
+    object; JSON text of an object reaches the chat template as the object transformers'
+    templates expect. Other text (a call a client cut short) reaches it as the text it is."""
 
     name: str
     arguments: str | dict[str, Any]
 
     @field_validator("arguments", mode="plain")
     @classmethod
-    def _json_object(cls, value: Any) -> dict[str, Any]:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ValueError("must be a JSON object (as text), got text that is not JSON") from None
-        if not isinstance(value, dict):
-            raise ValueError("must be a JSON object")
-        return value
+    def _json_object(cls, value: Any) -> str | dict[str, Any]:
+        if isinstance(value, dict):
+            return value
+        if not isinstance(value, str):
+            raise ValueError("must be a JSON object or its text")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, dict) else value
+
+
+def _a(role: str) -> str:
+    return f"an {role}" if role[0] in "aeiou" else f"a {role}"
 
 
 class ToolCallItem(_Request):
@@ -417,13 +423,13 @@ class ChatMessage(_Request):
     @model_validator(mode="after")
     def _fields_fit_the_role(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message must have content")
+            raise ValueError(f"{_a(self.role)} message must have content")
         if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+            raise ValueError(f"tool_calls belong to assistant messages, not to {_a(self.role)} message")
         if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError(f"tool_call_id belongs to tool messages, not to a {self.role} message")
+            raise ValueError(f"tool_call_id belongs to tool messages, not to {_a(self.role)} message")
         if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
-            raise ValueError(f"reasoning belongs to assistant messages, not to a {self.role} message")
+            raise ValueError(f"reasoning belongs to assistant messages, not to {_a(self.role)} message")
         return self
 
     @property
@@ -434,24 +440,21 @@ class ChatMessage(_Request):
         return self.content or ""
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as transformers' `apply_chat_template` takes it: content a string (parts
-        joined) or None, call arguments as objects, only the fields that are set."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text if isinstance(self.content, list)
-                               else self.content}
-        if self.name is not None:
-            out["name"] = self.name
+        """The message as transformers' `apply_chat_template` gives it to a template: content a
+        string (parts joined), call arguments as objects, fields that are null left out, and the
+        reasoning under all of its names (`thinking` for gpt-oss templates)."""
+        out: dict[str, Any] = {"role": self.role,
+                               "content": self.text if isinstance(self.content, list) else self.content,
+                               "name": self.name, "tool_call_id": self.tool_call_id,
+                               "reasoning_content": self.reasoning_content, "reasoning": self.reasoning}
         if self.tool_calls is not None:
-            out["tool_calls"] = [{"id": c.id, "type": c.type,
-                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 if c.id is not None else
-                                 {"type": c.type, "function": {"name": c.function.name,
-                                                               "arguments": c.function.arguments}}
+            out["tool_calls"] = [{k: v for k, v in (("id", c.id), ("type", c.type)) if v is not None}
+                                 | {"function": {"name": c.function.name, "arguments": c.function.arguments}}
                                  for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
+        out = {k: v for k, v in out.items() if v is not None}
         reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         if reasoning is not None:
-            out["reasoning_content"] = reasoning
+            out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
         return out
 
 

@@ -101,14 +101,19 @@ class AnswerParser:
     def feed(self, text: str, final: bool = False) -> list[AnswerEvent]:
         pieces = self._splitter.feed(text, final) if self._splitter else [("content", text)]
         events: list[AnswerEvent] = []
-        for kind, piece in pieces:
+        flushed = False
+        for k, (kind, piece) in enumerate(pieces):
             if kind == "reasoning":
                 events.append(ReasoningEvent(piece))
             elif self._tools is not None:
-                events.extend(self._tools.feed(piece))
+                # The last piece of a finished answer is read as final, so that a call it leaves
+                # incomplete is text, never a call (the whole answer at once must not differ
+                # from its last chunk).
+                flushed = final and k == len(pieces) - 1
+                events.extend(self._tools.feed(piece, final=flushed))
             elif piece:
                 events.append(TextEvent(piece))
-        if final and self._tools is not None:
+        if final and self._tools is not None and not flushed:
             events.extend(self._tools.feed("", final=True))
         return _merged(events)
 

@@ -155,7 +155,7 @@ class Scanner:
 
     def json_call(self, calls: list[ParsedCall], args_keys: tuple[str, ...]) -> None:
         """`{"name": NAME, "arguments": {...}}` (or another key of `args_keys`), appended to
-        `calls` as soon as its name is read."""
+        `calls` as soon as its arguments object opens."""
         self.literal("{")
         self.ws()
         self.literal('"name"')
@@ -163,7 +163,6 @@ class Scanner:
         self.literal(":")
         self.ws()
         call = ParsedCall(self.string(), "")
-        calls.append(call)
         self.ws()
         self.literal(",")
         self.ws()
@@ -171,6 +170,11 @@ class Scanner:
         self.ws()
         self.literal(":")
         self.ws()
+        if self.at_end():
+            self.more()
+        if self.text[self.pos] != "{":
+            raise NotACall()
+        calls.append(call)
         call.arguments = self.json_object(lambda partial: setattr(call, "arguments", partial))
         self.ws()
         self.literal("}")

@@ -8,6 +8,7 @@ one, and writes an empty, closed one when `enable_thinking` is false (no reasoni
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,15 +131,16 @@ def _overlap(text: str, tag: str) -> int:
     return 0
 
 
-def count_reasoning_tokens(token_ids: list[int], text: str, reasoning_chars: int, tokenizer: Any) -> int:
+def count_reasoning_tokens(token_ids: list[int], reasoning_chars: int, tokenizer: Any) -> int:
     """How many of an answer's tokens wrote its first `reasoning_chars` characters (the
-    thinking and its tags)."""
+    thinking and its tags), decoding them as the detokenizer does (bytes that are not UTF-8
+    become one U+FFFD each)."""
     if reasoning_chars <= 0:
         return 0
-    target = len(text[:reasoning_chars].encode("utf-8"))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     written = 0
     for n, token_id in enumerate(token_ids, 1):
-        written += len(tokenizer.id_to_bytes(token_id))
-        if written >= target:
+        written += len(decoder.decode(tokenizer.id_to_bytes(token_id)))
+        if written >= reasoning_chars:
             return n
     return len(token_ids)
