@@ -102,8 +102,8 @@ def build_checkpoint(directory: Path, vocab: int) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(stdlib_text(6 << 20), trainer)
     real_vocab = tok.get_vocab_size()
-    cfg = ModelConfig(vocab_size=real_vocab, d_model=512, n_heads=8, n_layers=6, d_ff=2048, max_position=1024,
-                      eos_token_id=tok.token_to_id(EOS))
+    # The EOS id comes from the tokenizer (tokenizer_config.json), the one source of special tokens.
+    cfg = ModelConfig(vocab_size=real_vocab, d_model=512, n_heads=8, n_layers=6, d_ff=2048, max_position=1024)
     net = Transformer(cfg)
     net.init_weights(cfg.init_seed)
     save_model(net, directory)
