@@ -283,11 +283,12 @@ def test_every_plan_compiles(fmt_name: str) -> None:
 OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "parameters": t["parameters"]}} for t in TOOLS]
 
 
-def _edge(reply: str, **serving_args: Any) -> Any:
+def _edge(reply: str, template: str | None = None, **serving_args: Any) -> Any:
     from ingress_stub import stub_ingress
     from model.loading.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
+    tok.chat_template = template
     client, engine, _ = stub_ingress(tok, max_model_len=4096, **serving_args)
     engine.reply = tok.encode(reply, add_special_tokens=False)
     return client
@@ -363,3 +364,33 @@ def test_a_model_without_a_format_answers_auto_in_text() -> None:
     assert out["choices"][0]["message"]["content"].startswith("<tool_call>")
     assert out["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in out["choices"][0]["message"]
     assert client.get("/v1/models").json()["data"][0]["tool_call_parser"] is None
+
+
+# DeepSeek-R1's style: the generation prompt opens the thinking, the answer starts inside it.
+R1_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content.split('</think>')[-1] if m.content else '' }}"
+               "{% endfor %}{% if add_generation_prompt %}<assistant><think>\n{% endif %}")
+
+
+def test_an_answer_that_starts_inside_the_thinking() -> None:
+    tools = OPENAI_TOOLS[:1]
+    client = _edge('weigh it\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+                   '{"city": "Oslo", "days": 1}}\n</tool_call>', template=R1_TEMPLATE, tool_call_parser="hermes")
+    assert client.get("/v1/models").json()["data"][0]["reasoning_parser"] == "think"
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 200}
+    out = client.post("/v1/chat/completions", json=body).json()
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] == "weigh it\n" and message["content"] is None
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == len("weigh it\n</think>")
+
+
+def test_the_app_offers_every_parser() -> None:
+    import typing
+
+    from service.app import AppArgs
+    from service.tools.formats import PARSER_CHOICES
+    from service.tools.reasoning import PARSER_CHOICES as REASONING_CHOICES
+
+    assert typing.get_args(AppArgs.model_fields["tool_call_parser"].annotation) == PARSER_CHOICES
+    assert typing.get_args(AppArgs.model_fields["reasoning_parser"].annotation) == REASONING_CHOICES
