@@ -22,10 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthropic_error_response
 from service.attention_api import add_attention_routes
-from service.engine_call import OverloadPolicy
 from service.errors import APIError, from_validation_error
+from service.openai.embeddings import add_embeddings_routes
 from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from service.openai.responses_api import add_responses_routes
 from service.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -59,24 +61,31 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches (compared in constant time)."""
+    """401 unless `Authorization: Bearer <key>` matches (compared in constant time). The Messages
+    API routes also take Anthropic's `x-api-key: <key>` and answer in Anthropic's error shape."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
+    def _authorized(self, headers: dict[bytes, bytes], messages: bool) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+            return True
+        return messages and hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+        messages = scope["path"] == MESSAGES_PATH or scope["path"].startswith(MESSAGES_PATH + "/")
+        if self._authorized(dict(scope["headers"]), messages):
             await self.app(scope, receive, send)
             return
-        err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
-                       "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await error_response(err)(scope, receive, send)
+        err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'"
+                       + (" or 'x-api-key: <key>'." if messages else "."), 401, "authentication_error",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await (anthropic_error_response(err) if messages else error_response(err))(scope, receive, send)
 
 
 class HeaderLimitMiddleware:
@@ -214,6 +223,9 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
         return error_response(APIError("The engine loop is not running.", 503, "server_error"))
 
     add_attention_routes(app, serving, settings.max_attention_floats, limit, read_model, respond)
+    add_embeddings_routes(app, serving, limit, read_model, respond)
+    add_messages_routes(app, serving, limit, read_model)
+    add_responses_routes(app, serving, limit, read_model, respond)
 
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

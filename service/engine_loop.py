@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,32 @@ def _deliver(batch: list[tuple[_Sink, list[RequestOutput]]]) -> None:
         sink.put(outs)
 
 
+def _call(fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> None:
+    """On the step thread: run a `run_between_steps` call; its failure is the caller's, not the loop's."""
+    try:
+        result, error = fn(), None
+    except Exception as exc:
+        result, error = None, exc
+    _settle_threadsafe(loop, future, result, error)
+
+
+def _settle_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any,
+                       error: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, future, result, error)
+    except RuntimeError:  # the event loop is closed: nobody is waiting any more
+        pass
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled by its caller meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class EngineLoop:
     """Owns an `Engine` and runs its steps on a dedicated daemon thread."""
 
@@ -160,6 +187,20 @@ class EngineLoop:
             sink.put_threadsafe(EngineFailure(503, f"The engine is not running: {self.error or 'stopped'}"))
         return sink
 
+    def run_between_steps(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run `fn()` on the step thread before its next step: torch work that must not run
+        beside a step (embeddings, `service/openai/embeddings.py`). The returned future (of the
+        calling event loop) gets fn's result or exception, or an `EngineFailure` (503) when the
+        loop is not running."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if self.alive:
+            self._commands.put(("call", (fn, loop, future), None))
+            self._wakeup.set()
+        if not self.alive:  # dead before, or died while we queued: the loop may never run it
+            _settle(future, EngineFailure(503, f"The engine is not running: {self.error or 'stopped'}"), None)
+        return future
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed by
         the next step."""
@@ -196,6 +237,9 @@ class EngineLoop:
             if kind == "abort":
                 self._engine.abort_request(payload)
                 continue
+            if kind == "call":
+                _call(*payload)
+                continue
             try:
                 self._engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params)
             except ValueError as exc:  # the HTTP edge checks first; this is the last line
@@ -223,9 +267,11 @@ class EngineLoop:
         sinks = {id(s): s for s in self._sinks.values()}
         while True:  # requests queued but never added fail too
             try:
-                _, _, sink = self._commands.get_nowait()
+                kind, payload, sink = self._commands.get_nowait()
             except queue.Empty:
                 break
+            if kind == "call":
+                _settle_threadsafe(payload[1], payload[2], failure, None)
             if sink is not None:
                 sinks[id(sink)] = sink
         self._sinks.clear()

@@ -27,6 +27,7 @@ TORCH_FREE = [
     "model.sampling.params",
     "model.sampling.request_checks",
     "model.inspect.attention_spec",
+    "model.loading.pooling_config",  # the HTTP edge checks embedding requests with it
 ]
 FORBIDDEN_IN_MODEL = {"ray", "fastapi", "starlette", "pydantic", "service"}
 # sub-package -> the model.* parts it may import

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import EngineConfig, ModelConfig, RuntimeInfo
+from model.config import PRESETS, EngineConfig, ModelConfig, RuntimeInfo
 from model.engine.block_manager import BlockManager, blocks_for
+from model.engine.embedder import Embedder
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
@@ -20,6 +21,7 @@ from model.inspect.attention_maps import capture_attention
 from model.inspect.attention_spec import AttentionShape, check_attention
 from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
+from model.loading.pooling_config import read_pooling_config
 from model.loading.tokenizer import IncrementalDetokenizer
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
@@ -81,6 +83,9 @@ class Engine:
         cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.kv_heads, cfg.d_head,
                         self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(net, cache, self.device)
+        # Prefill-only forwards for /v1/embeddings, run by the step thread between steps (service/openai/embeddings.py).
+        pooling = read_pooling_config(None if source in PRESETS else source, cfg.d_model)
+        self.embedder = Embedder(net, pooling, self.device, self.config.max_num_batched_tokens)
         self.attention_shape = AttentionShape.of(cfg)
         # One engine hosts one model: its identity (weights seed/architecture, attention kind,
         # dtype) salts every block hash, since the cached K/V are a function of all of them.

@@ -7,6 +7,7 @@ without the `model.` prefix, so the weight-name map is nearly the identity.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -155,8 +156,9 @@ def _parser(qkv_bias: bool | None, qk_norm: bool) -> Callable[[dict[str, Any], b
 
 
 def _name_map(model: nn.Module, tensor_names: Collection[str]) -> dict[str, TensorSpec]:
-    """HF keeps the decoder under `model.` and the head as `lm_head.weight`."""
-    names = identity_map(model, prefix="model.")
+    """HF keeps the decoder under `model.` and the head as `lm_head.weight`; a headless
+    `*Model` checkpoint (what sentence-transformers saves) has the decoder's names bare."""
+    names = identity_map(model, prefix="" if "embed_tokens.weight" in tensor_names else "model.")
     if "lm_head.weight" in names:
         names["lm_head.weight"] = TensorSpec("lm_head.weight")
     return names
@@ -167,8 +169,19 @@ def _skip(cfg: ModelConfig, name: str) -> bool:
     return name.endswith(".rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _spec(qkv_bias: bool | None, qk_norm: bool = False) -> ArchitectureSpec:
-    return ArchitectureSpec(parse_config=_parser(qkv_bias, qk_norm), name_map=_name_map, skip=_skip)
+def _spec(qkv_bias: bool | None, qk_norm: bool = False, headless: bool = False) -> ArchitectureSpec:
+    """`headless`: a `*Model` checkpoint without `lm_head` (an embedding model); its logits, if it
+    is asked to generate, come from the tied token embedding."""
+    parse = _parser(qkv_bias, qk_norm)
+    if headless:
+        parse = _tied(parse)
+    return ArchitectureSpec(parse_config=parse, name_map=_name_map, skip=_skip)
+
+
+def _tied(parse: Callable[[dict[str, Any], bool], ModelConfig]) -> Callable[[dict[str, Any], bool], ModelConfig]:
+    def parse_tied(raw: dict[str, Any], has_tokenizer: bool) -> ModelConfig:
+        return dataclasses.replace(parse(raw, has_tokenizer), tie_word_embeddings=True)
+    return parse_tied
 
 
 LLAMA_FAMILY = {
@@ -176,4 +189,9 @@ LLAMA_FAMILY = {
     "MistralForCausalLM": _spec(qkv_bias=None),
     "Qwen2ForCausalLM": _spec(qkv_bias=True),
     "Qwen3ForCausalLM": _spec(qkv_bias=None, qk_norm=True),
+    # Headless checkpoints (sentence-transformers' embedding models): decoder only, no lm_head.
+    "LlamaModel": _spec(qkv_bias=None, headless=True),
+    "MistralModel": _spec(qkv_bias=None, headless=True),
+    "Qwen2Model": _spec(qkv_bias=True, headless=True),
+    "Qwen3Model": _spec(qkv_bias=None, qk_norm=True, headless=True),
 }

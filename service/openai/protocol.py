@@ -43,14 +43,14 @@ UNSUPPORTED_CHAT = {"echo": (False,), "continue_final_message": (False,), "audio
 Prompt = Union[str, list[int]]
 
 
-def _ranged(name: str) -> Any:
+def ranged(name: str) -> Any:
     """The pydantic constraint of parameter `name`, from the one table of ranges."""
     r = PARAM_RANGES[name]
     lower = {} if r.lo is None else {"gt" if r.lo_open else "ge": r.lo}
     return Field(**lower, **({} if r.hi is None else {"le": r.hi}))
 
 
-def _reject_unsupported(table: dict[str, tuple[Any, ...]], value: Any, name: str) -> Any:
+def reject_unsupported(table: dict[str, tuple[Any, ...]], value: Any, name: str) -> Any:
     if value is not None and not any(value == neutral and type(value) is type(neutral) for neutral in table[name]):
         raise ValueError(f"{name} is not supported by this server; leave it out")
     return value
@@ -122,25 +122,25 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM's extensions)."""
 
     model: str | None = None
-    max_tokens: Annotated[int, _ranged("max_tokens")] | None = None
-    temperature: Annotated[float, _ranged("temperature")] = 1.0
-    top_p: Annotated[float, _ranged("top_p")] = 1.0
+    max_tokens: Annotated[int, ranged("max_tokens")] | None = None
+    temperature: Annotated[float, ranged("temperature")] = 1.0
+    top_p: Annotated[float, ranged("top_p")] = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | list[str] | None = None
-    seed: Annotated[int, _ranged("seed")] | None = None
+    seed: Annotated[int, ranged("seed")] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, _ranged("presence_penalty")] = 0.0
-    frequency_penalty: Annotated[float, _ranged("frequency_penalty")] = 0.0
-    logit_bias: Annotated[dict[str, Annotated[float, _ranged("logit_bias")]],
+    presence_penalty: Annotated[float, ranged("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, ranged("frequency_penalty")] = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, ranged("logit_bias")]],
                           Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     # vLLM extensions
-    top_k: Annotated[int, _ranged("top_k")] = -1
+    top_k: Annotated[int, ranged("top_k")] = -1
     ignore_eos: bool = False
-    min_tokens: Annotated[int, _ranged("min_tokens")] = 0
+    min_tokens: Annotated[int, ranged("min_tokens")] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    repetition_penalty: Annotated[float, _ranged("repetition_penalty")] = 1.0
+    repetition_penalty: Annotated[float, ranged("repetition_penalty")] = 1.0
     # Not implemented (UNSUPPORTED): a 400 unless neutral.
     min_p: Any = None
     use_beam_search: Any = None
@@ -156,7 +156,7 @@ class _SamplingFields(_Request):
     @field_validator(*UNSUPPORTED, mode="plain")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _reject_unsupported(UNSUPPORTED, value, info.field_name)
+        return reject_unsupported(UNSUPPORTED, value, info.field_name)
 
     @field_validator("stream_options")
     @classmethod
@@ -299,7 +299,7 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: Any
-    logprobs: Annotated[int, _ranged("logprobs")] | None = None
+    logprobs: Annotated[int, ranged("logprobs")] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # only = n: we return every choice
     suffix: Any = None  # UNSUPPORTED_COMPLETIONS
@@ -312,7 +312,7 @@ class CompletionRequest(_SamplingFields):
     @field_validator(*UNSUPPORTED_COMPLETIONS, mode="plain")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
-        return _reject_unsupported(UNSUPPORTED_COMPLETIONS, value, info.field_name)
+        return reject_unsupported(UNSUPPORTED_COMPLETIONS, value, info.field_name)
 
     @field_validator("best_of")
     @classmethod
@@ -495,9 +495,9 @@ class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int, _ranged("max_tokens")] | None = None
+    max_completion_tokens: Annotated[int, ranged("max_tokens")] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, _ranged("logprobs")] | None = None
+    top_logprobs: Annotated[int, ranged("logprobs")] | None = None
     add_generation_prompt: bool = True
     # Not implemented (UNSUPPORTED_CHAT): a 400 unless neutral.
     echo: Any = None
@@ -512,7 +512,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator(*UNSUPPORTED_CHAT, mode="plain")
     @classmethod
     def _unsupported_here(cls, value: Any, info: ValidationInfo) -> Any:
-        return _reject_unsupported(UNSUPPORTED_CHAT, value, info.field_name)
+        return reject_unsupported(UNSUPPORTED_CHAT, value, info.field_name)
 
     @field_validator("top_logprobs")
     @classmethod

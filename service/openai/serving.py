@@ -21,6 +21,7 @@ from model.sampling.params import SamplingParams
 from model.sampling.request_checks import RequestError, check_request, check_token_ids
 from model.sampling.structured import check_structured
 from service.admission import AdmissionGate
+from service.chat_run import ChatRun
 from service.chat_template import ChatTemplate
 from service.engine_call import EngineCall, OverloadPolicy
 from service.engine_loop import SubRequest
@@ -73,9 +74,15 @@ class OpenAIServing:
         return self.chat_template.render(req.messages, req.add_generation_prompt, req.template_tools,
                                          req.chat_template_kwargs)
 
-    def engine_call(self, requests: list[SubRequest]) -> EngineCall:
-        """The engine call of one HTTP request, through this replica's admission gate."""
-        return EngineCall(self._engine, requests, self._gate, self._timeout_s)
+    @property
+    def engine(self) -> Any:
+        """What runs requests: the replica's `EngineHost` (a stand-in in some tests)."""
+        return self._engine
+
+    def engine_call(self, requests: list[Any], engine: Any = None) -> EngineCall:
+        """The engine call of one HTTP request, through this replica's admission gate and
+        deadline; `engine`: another runner with the same `generate` (the embedding batcher)."""
+        return EngineCall(self._engine if engine is None else engine, requests, self._gate, self._timeout_s)
 
     def routing_prompt(self, body: bytes) -> list[int] | None:
         """The prompt token ids a completions or chat request body will run with, or None when
@@ -152,6 +159,28 @@ class OpenAIServing:
         echoes = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         prefixes = [echoes[i // req.n] for i in range(len(prompts) * req.n)]
         return await self._generate(request_id, prompts, req, fmt, prefixes)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """A chat request's prompt text and token ids (checked against the vocabulary)."""
+        text = self.render_chat(req)
+        return text, self.token_ids(text, param="messages", add_special_tokens=False)
+
+    async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Admit and start a chat request (the internal request of every chat-like API) and
+        return its run, which yields answer events (service/chat_run.py). Raises APIError for a
+        bad request or when overloaded, before anything is queued."""
+        self.check_model(req.model)
+        text, ids = self.chat_prompt(req)
+        plan = self._plan(req, text)
+        subs = self._sub_requests(request_id, [ids], req)
+        run = self.engine_call(subs)
+        try:
+            await run.start()
+        except BaseException:
+            run.cancel()
+            raise
+        return ChatRun(request_id, run, plan, len(subs), {s.request_id: k for k, s in enumerate(subs)}, len(ids),
+                       self.tokenizer)
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the messages through the chat template, then as completions."""
