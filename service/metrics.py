@@ -95,6 +95,11 @@ class EngineMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.success.inc(1, tags={"finished_reason": "abort"})
 
+    def observe_embeddings(self, num_prompt_tokens: int) -> None:
+        """A finished /v1/embeddings request (its forwards run between engine steps)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.success.inc(1, tags={"finished_reason": "embedding"})
+
     def refresh(self, stats: object) -> None:
         """Set the gauges from an `EngineStats` snapshot and add the tokens counted since the
         last call. Called on a timer even when idle: Ray drops a gauge from its export when it

@@ -23,6 +23,9 @@ class NullMetrics:
     def observe_abort(self, num_prompt_tokens: int) -> None:
         pass
 
+    def observe_embeddings(self, num_prompt_tokens: int) -> None:
+        self.embedded_tokens = getattr(self, "embedded_tokens", 0) + num_prompt_tokens
+
     def refresh(self, stats: Any) -> None:
         pass
 
@@ -35,6 +38,8 @@ async def edge_app(engine: Any, name: str, settings: IngressSettings | None = No
     host = EngineHost(engine, name, metrics=NullMetrics())
     try:
         serving = OpenAIServing(host.model_info(), host, overload or OverloadPolicy(), **serving_args)
-        yield build_api(serving, host.healthy, settings or IngressSettings())
+        app = build_api(serving, host.healthy, settings or IngressSettings())
+        app.state.host = host  # tests read its metrics
+        yield app
     finally:
         host.stop()

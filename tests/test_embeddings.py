@@ -165,6 +165,7 @@ def _edge(directory: Path, body_limit: int = 1 << 20, capacity: int = -1, api_ke
             self.edge = edge_app(engine, "tiny-embed", settings, OverloadPolicy(capacity=capacity))
             app = await self.edge.__aenter__()
             self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://edge", timeout=60)
+            self.client.app = app  # type: ignore[attr-defined]  # its state.host: the metrics
             return self.client, engine
 
         async def __aexit__(self, *exc: Any) -> None:
@@ -192,6 +193,8 @@ def test_edge_answers_concurrent_requests_like_sentence_transformers(last_dir: P
                 assert r.status_code == 200, r.text
                 got = torch.tensor(r.json()["data"][0]["embedding"])
                 torch.testing.assert_close(got, ref[i], atol=1e-4, rtol=0)
+            counted = sum(r.json()["usage"]["prompt_tokens"] for r in answers)
+            assert http.app.state.host.metrics.embedded_tokens == counted  # the prompt-token metric
 
     asyncio.run(run())
 

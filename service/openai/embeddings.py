@@ -244,7 +244,9 @@ class EmbeddingServing:
             raise APIError(str(exc), param=exc.param, code=exc.code) from None
         job = _Job(prompts, dims, asyncio.get_running_loop().create_future())
         vectors = await self._run(job)
-        return _body(vectors, req.encoding_format, s.info.served_model_name, sum(map(len, prompts)))
+        num_tokens = sum(map(len, prompts))
+        self.serving.engine.metrics.observe_embeddings(num_tokens)
+        return _body(vectors, req.encoding_format, s.info.served_model_name, num_tokens)
 
     async def _run(self, job: _Job) -> list[Any]:
         s = self.serving
