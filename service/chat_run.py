@@ -17,7 +17,7 @@ from typing import Any
 
 from service.engine_call import EngineCall
 from service.openai.formats import ChoiceState, cached_tokens
-from service.tools.answer import AnswerEvent, AnswerPlan
+from service.tools.answer import AnswerEvent, AnswerPlan, answer_finish_reason
 from service.tools.reasoning import count_reasoning_tokens
 
 
@@ -98,11 +98,7 @@ class ChatRun:
 
     def finish_reason(self, index: int) -> str | None:
         """The engine's finish reason, "tool_calls" when a finished answer made complete calls."""
-        reason = self.choices[index].finish_reason
-        calls = self.parsers[index].calls
-        if reason == "stop" and calls and all(c.complete for c in calls):
-            return "tool_calls"
-        return reason
+        return answer_finish_reason(self.choices[index].finish_reason, self.parsers[index].calls)
 
     def call_id(self) -> str:
         """A new id for a call, in the form the model's format wants (Mistral: 9 characters)."""

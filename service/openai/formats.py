@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.engine.sequence import RequestOutput, TokenLogprob
-from service.tools.answer import AnswerEvent, AnswerParser, AnswerPlan, ReasoningEvent
+from service.tools.answer import AnswerEvent, AnswerParser, AnswerPlan, ReasoningEvent, answer_finish_reason
 from service.tools.parser import ArgumentsEvent, CallStartEvent, TextEvent
 from service.tools.reasoning import count_reasoning_tokens
 
@@ -230,10 +230,7 @@ class ChatFormat:
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
     def _finish_reason(self, index: int, finish_reason: str | None) -> str | None:
-        calls = self._parser(index).calls
-        if finish_reason == "stop" and calls and all(c.complete for c in calls):
-            return "tool_calls"
-        return finish_reason
+        return answer_finish_reason(finish_reason, self._parser(index).calls)
 
     def chunks(self, index: int, text: str, lps: list[TokenLogprob], finish_reason: str | None,
                offset: int = 0) -> list[dict[str, Any]]:

@@ -83,6 +83,14 @@ def _tag(prefix: dict[str, Any] | None, core: dict[str, Any]) -> dict[str, Any]:
     return {"structural_tag": {"type": "structural_tag", "format": body}}
 
 
+def answer_finish_reason(engine_reason: str | None, calls: list[Any]) -> str | None:
+    """The finish reason an API reports: the engine's, "tool_calls" when a finished answer made
+    complete calls (a call cut by max_tokens leaves "length")."""
+    if engine_reason == "stop" and calls and all(c.complete for c in calls):
+        return "tool_calls"
+    return engine_reason
+
+
 class AnswerParser:
     """One answer's text, chunk by chunk -> reasoning, content and call events."""
 
