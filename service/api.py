@@ -136,15 +136,17 @@ async def read_model(request: Request, model: type[_Model], max_bytes: int) -> _
         raise from_validation_error(exc) from None
 
 
-async def respond(work: Awaitable[Any]) -> Response:
-    """Await a route's work: dicts become JSON, iterators become SSE, errors the error shape."""
+async def respond(work: Awaitable[Any],
+                  error_shape: Callable[[APIError], JSONResponse] = error_response) -> Response:
+    """Await a route's work: dicts become JSON, iterators become SSE, errors `error_shape`
+    (OpenAI's; the Messages routes pass Anthropic's)."""
     try:
         result = await work
     except APIError as exc:
-        return error_response(exc)
+        return error_shape(exc)
     except Exception:
         logger.exception("request failed")
-        return error_response(APIError("Internal server error.", 500, "server_error"))
+        return error_shape(APIError("Internal server error.", 500, "server_error"))
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream",
@@ -224,7 +226,7 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
 
     add_attention_routes(app, serving, settings.max_attention_floats, limit, read_model, respond)
     add_embeddings_routes(app, serving, limit, read_model, respond)
-    add_messages_routes(app, serving, limit, read_model)
+    add_messages_routes(app, serving, limit, read_model, respond)
     add_responses_routes(app, serving, limit, read_model, respond)
 
     if settings.api_key:

@@ -84,6 +84,16 @@ class OpenAIServing:
         deadline; `engine`: another runner with the same `generate` (the embedding batcher)."""
         return EngineCall(self._engine if engine is None else engine, requests, self._gate, self._timeout_s)
 
+    async def _start(self, subs: list[SubRequest]) -> EngineCall:
+        """The engine call of `subs`, admitted and started (cancelled if starting fails)."""
+        run = self.engine_call(subs)
+        try:
+            await run.start()
+        except BaseException:
+            run.cancel()
+            raise
+        return run
+
     def routing_prompt(self, body: bytes) -> list[int] | None:
         """The prompt token ids a completions or chat request body will run with, or None when
         the body is not a valid one (the replica then answers it with the error): what the prefix
@@ -173,12 +183,7 @@ class OpenAIServing:
         text, ids = self.chat_prompt(req)
         plan = self._plan(req, text)
         subs = self._sub_requests(request_id, [ids], req)
-        run = self.engine_call(subs)
-        try:
-            await run.start()
-        except BaseException:
-            run.cancel()
-            raise
+        run = await self._start(subs)
         return ChatRun(request_id, run, plan, len(subs), {s.request_id: k for k, s in enumerate(subs)}, len(ids),
                        self.tokenizer)
 
@@ -217,12 +222,7 @@ class OpenAIServing:
         index_of = {s.request_id: k for k, s in enumerate(subs)}
         choices = [ChoiceState(k, k // req.n) for k in range(len(subs))]
         num_prompt_tokens = sum(len(p) for p in prompts)
-        run = self.engine_call(subs)
-        try:
-            await run.start()
-        except BaseException:
-            run.cancel()
-            raise
+        run = await self._start(subs)
         if req.stream:
             return self._stream(run, fmt, choices, index_of, prefixes, [len(p) for p in prompts],
                                 req.include_usage, req.continuous_usage)
