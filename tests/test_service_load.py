@@ -119,8 +119,10 @@ def test_client_disconnect_aborts_the_request(base_url: str) -> None:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         _wait_for(lambda: _engine_stats()["num_running"] == 1, "the request to run")
+        # Ray exports each gauge on its own, so the two may show up one export apart
         _wait_for(lambda: _value(_scrape(), "ray_qkv_num_requests_running") == 1, "running gauge = 1")
-        assert _value(_scrape(), "ray_qkv_kv_cache_usage_perc") > 0
+        _wait_for(lambda: _value(_scrape(), "ray_qkv_kv_cache_usage_perc") > 0, "KV usage gauge > 0")
+        assert _engine_stats()["num_running"] == 1  # still the same request, not yet finished
     # leaving the blocks closes the connection mid-stream
     _wait_for(_idle, "the engine to free the aborted request", timeout_s=15)
     _wait_for(lambda: _value(_scrape(), "ray_qkv_num_requests_running") == 0
