@@ -58,12 +58,12 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = GatedMLP(cfg) if mlp is None else mlp  # another feed-forward: the MoE families
 
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
@@ -73,11 +73,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids + positions (flattened over the batch) -> hidden states -> logits."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[ModelConfig, int], nn.Module] | None = None) -> None:
+        """`make_mlp(cfg, layer)`: each layer's feed-forward instead of SwiGLU (the MoE families)."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, None if make_mlp is None else make_mlp(cfg, i))
+                                    for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
