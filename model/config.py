@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 AttentionKind = Literal["dot", "additive"]
-Arch = Literal["transformer", "gpt2", "llama"]
-ROPE_SCALING_TYPES = ("linear", "llama3")
+Arch = Literal["transformer", "gpt2", "llama", "moe", "gemma2", "gemma3", "phi3"]
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -26,21 +26,95 @@ BYTE_VOCAB_SIZE = 258
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`rope_scaling` of a Llama-family config: `linear` divides every frequency by `factor`;
-    `llama3` divides only the low frequencies and blends the middle band (Llama 3.1)."""
+    """`rope_scaling` / `rope_parameters` of a rotary config (model/layers/positions.py has the math):
 
-    kind: Literal["linear", "llama3"]
+    - `linear` divides every frequency by `factor`;
+    - `llama3` divides only the low frequencies and blends the middle band (Llama 3.1);
+    - `yarn` blends interpolated and original frequencies between the `beta_fast`/`beta_slow`
+      rotation bounds and scales cos/sin by `attention_factor` (None: from `mscale`/`mscale_all_dim`);
+    - `dynamic` (NTK) raises the base for positions past `original_max_position` (HF's
+      max_position_embeddings), per position;
+    - `longrope` multiplies the wavelengths by `short_factor`, or `long_factor` for positions past
+      `original_max_position`, and scales cos/sin by `attention_factor` (None: from `factor`).
+    """
+
+    kind: Literal["linear", "llama3", "yarn", "dynamic", "longrope"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):  # lists from a config.json
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
         if self.kind not in ROPE_SCALING_TYPES:
             raise ValueError(f"rope_scaling type {self.kind!r} is not supported; supported: "
                              f"{', '.join(ROPE_SCALING_TYPES)}")
         if self.factor <= 0:
             raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope scaling needs short_factor and long_factor")
+
+
+MoERouting = Literal["softmax_topk", "topk_softmax"]
+MoEActivation = Literal["silu", "gpt_oss"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts feed-forward of `arch="moe"` (Mixtral, Qwen2/3-MoE, gpt-oss).
+
+    `routing`: `softmax_topk` (Mixtral, Qwen): softmax over all experts in float32, then the
+    top k, renormalised to sum 1 when `norm_topk_prob`; `topk_softmax` (gpt-oss): the top k
+    logits, then a softmax over those k. `fp32_weights`: the routing weights stay float32
+    (Mixtral) instead of being cast to the model's dtype (Qwen). `dense_layers`: layers
+    that keep a dense SwiGLU MLP of `d_ff` (Qwen's `mlp_only_layers` and `decoder_sparse_step`).
+    """
+
+    num_experts: int
+    top_k: int
+    d_expert: int  # each expert's intermediate size
+    routing: MoERouting = "softmax_topk"
+    norm_topk_prob: bool = True
+    fp32_weights: bool = False
+    shared_expert: int = 0  # Qwen2-MoE: intermediate size of the always-on expert (0: none)
+    dense_layers: tuple[int, ...] = ()
+    router_bias: bool = False  # gpt-oss: the router and every expert have biases
+    expert_bias: bool = False
+    activation: MoEActivation = "silu"  # gpt_oss: clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list from our own config.json
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.d_expert < 1:
+            raise ValueError(f"the experts' intermediate size must be >= 1, got {self.d_expert}")
+        if self.routing not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"MoE routing must be softmax_topk or topk_softmax, got {self.routing!r}")
+
+
+@dataclass(frozen=True)
+class GemmaOptions:
+    """What Gemma 2 and 3 add to the Llama-shaped decoder: (1 + weight) RMSNorms before and after
+    each sub-layer, embeddings scaled by sqrt(d_model), GeGLU (tanh GELU), the attention scale
+    query_pre_attn_scalar ** -0.5, Gemma 2's attention and final-logit soft-capping, Gemma 3's
+    RoPE base of its sliding layers (`rope_local_theta`, unscaled)."""
+
+    query_pre_attn_scalar: float
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None  # Gemma 3; None: every layer uses rope_theta / rope_scaling
 
 
 @dataclass(frozen=True)
@@ -78,10 +152,30 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
     tie_word_embeddings: bool = True
     sliding_window: int | None = None  # None: every position sees the whole context
+    # Per layer "sliding_attention" or "full_attention" (HF's `layer_types`); None: every layer
+    # has the sliding window when there is one (Mistral). See `layer_window`.
+    layer_types: tuple[str, ...] | None = None
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first d_head * factor dims of each head
+    gemma: GemmaOptions | None = None  # arch "gemma2" / "gemma3"
+    moe: MoEConfig | None = None  # arch "moe": the experts that replace the dense MLP
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from our own config.json
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if isinstance(self.gemma, dict):
+            object.__setattr__(self, "gemma", GemmaOptions(**self.gemma))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+        if self.arch.startswith("gemma") != (self.gemma is not None):
+            raise ValueError(f"arch 'gemma2'/'gemma3' need GemmaOptions and only they take them (arch {self.arch!r})")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if (self.arch == "moe") != (self.moe is not None):
+            raise ValueError(f"arch 'moe' needs a MoEConfig and only it takes one (arch {self.arch!r})")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.attention not in ("dot", "additive"):
@@ -91,7 +185,7 @@ class ModelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
-        if self.attention == "additive" and (self.arch == "llama" or self.kv_heads != self.n_heads):
+        if self.attention == "additive" and (self.arch in ("llama", "moe") or self.kv_heads != self.n_heads):
             raise ValueError("additive attention is only available for the paper's Transformer and GPT-2, "
                              "without grouped-query attention")
 
@@ -105,13 +199,19 @@ class ModelConfig:
         """Heads of K and V, which the paged cache stores: n_heads without GQA."""
         return self.n_kv_heads or self.n_heads
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (HF: it sees at most that many positions, itself
+        included), or None when it attends over the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
     def check_context(self, max_len: int) -> None:
-        """Refuse a context the model cannot attend over exactly (sliding-window attention)."""
-        if self.sliding_window is not None and self.sliding_window < max_len:
-            raise ValueError(
-                f"this model uses sliding-window attention over {self.sliding_window} tokens, which is not "
-                f"implemented; the requested context of {max_len} tokens is longer. Set max_model_len "
-                f"<= {self.sliding_window}")
+        """A context the model cannot serve exactly is refused here. Sliding-window attention
+        is served at any length since attention honours each layer's window, so nothing is
+        refused today; the engine keeps calling this one check."""
 
     @property
     def pre_norm(self) -> bool:

@@ -84,7 +84,7 @@ def _listing(names: list[str], limit: int = 10) -> str:
 def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, TensorSpec], index: TensorIndex,
                    directory: Path) -> None:
     """Every expected tensor is there, nothing else is, and every shape matches the config."""
-    expected = {t.name for t in names.values()}
+    expected = {n for t in names.values() for n in (t.sources or (t.name,))}
     found = {n for n in index if not spec.skip(model.cfg, n)}
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing:
@@ -93,6 +93,8 @@ def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, Te
         raise CheckpointError(f"checkpoint {directory} has unexpected tensors: {_listing(unexpected)}")
     params = dict(model.named_parameters())
     for ours, t in names.items():
+        if t.load is not None:  # checks its sources' shapes as it reads them
+            continue
         want = tuple(params[ours].shape)
         want = want[::-1] if t.transpose else want
         got = index.shape(t.name)
@@ -111,9 +113,12 @@ def _copy_weights(model: nn.Module, names: dict[str, TensorSpec], index: TensorI
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {directory.name}",
               disable=total < PROGRESS_MIN_BYTES) as bar:
         for ours, t in names.items():
-            tensor = index.get_tensor(t.name)
-            params[ours].copy_(tensor.t() if t.transpose else tensor)
-            del tensor
+            if t.load is not None:
+                t.load(index, params[ours])
+            else:
+                tensor = index.get_tensor(t.name)
+                params[ours].copy_(tensor.t() if t.transpose else tensor)
+                del tensor
             bar.update(params[ours].numel() * params[ours].element_size())
 
 

@@ -15,6 +15,8 @@ from torch import nn
 from model.config import ModelConfig
 from model.models.gpt2 import GPT2
 from model.models.llama import LLAMA_FAMILY, LlamaForCausalLM
+from model.models.mixtral import MIXTRAL, MoEForCausalLM
+from model.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from model.models.transformer import QKV, QKV_ARCHITECTURE, Transformer
 from model.models.weight_map import ArchitectureSpec, CheckpointError
 
@@ -23,11 +25,14 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "GPT2LMHeadModel": GPT2,
     "GPT2Model": GPT2,
     **LLAMA_FAMILY,
+    "MixtralForCausalLM": MIXTRAL,
+    "Qwen2MoeForCausalLM": QWEN2_MOE,
+    "Qwen3MoeForCausalLM": QWEN3_MOE,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"transformer": Transformer, "gpt2": Transformer,
-                                             "llama": LlamaForCausalLM}
+                                             "llama": LlamaForCausalLM, "moe": MoEForCausalLM}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from model.config import ModelConfig
@@ -22,6 +23,10 @@ class TensorSpec:
 
     name: str  # the checkpoint's tensor name
     transpose: bool = False  # stored (in, out) by HF's Conv1D; nn.Linear holds (out, in)
+    # A parameter assembled from several checkpoint tensors (stacked experts, MXFP4 blocks and
+    # scales): `load(index, param)` reads `sources` one at a time into `param` and checks their shapes.
+    sources: tuple[str, ...] = ()
+    load: Callable[[Any, torch.Tensor], None] | None = None
 
 
 # A checkpoint's tensors (`model.loading.weight_files.TensorIndex`): `name in index`, `index.get_tensor(name)`.
