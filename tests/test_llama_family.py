@@ -144,8 +144,8 @@ def llama_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
 def test_unsupported_rope_scaling_type_is_named(llama_dir: Path, key: str) -> None:
-    _edit_config(llama_dir, **{"rope_parameters": None, key: {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(CheckpointError, match=r"rope_scaling type 'yarn' is not supported; supported: .*llama3"):
+    _edit_config(llama_dir, **{"rope_parameters": None, key: {"rope_type": "made_up", "factor": 4.0}})
+    with pytest.raises(CheckpointError, match=r"rope_scaling type 'made_up' is not supported; supported: .*longrope"):
         load_model(llama_dir)
 
 
@@ -158,12 +158,12 @@ def test_rope_scaling_in_the_old_place_is_read(llama_dir: Path) -> None:
     assert (cfg.rope_scaling.kind, cfg.rope_scaling.factor) == ("linear", 4.0)
 
 
-def test_sliding_window_shorter_than_the_context_is_refused(tmp_path: Path) -> None:
+def test_sliding_window_shorter_than_the_context_is_served(tmp_path: Path) -> None:
+    """Exactness with windows is tests/test_sliding_window.py's; here: no refusal, full context."""
     directory = write_tiny_llama(tmp_path, "mistral", with_tokenizer=False, sliding_window=64)
-    with pytest.raises(ValueError, match=r"sliding-window attention over 64 tokens.*max_model_len <= 64"):
-        Engine(str(directory), EngineConfig(kv_cache_bytes=1 << 20), device="cpu")
-    engine = Engine(str(directory), EngineConfig(kv_cache_bytes=1 << 20, max_model_len=64), device="cpu")
-    assert engine.runtime.max_model_len == 64
+    engine = Engine(str(directory), EngineConfig(kv_cache_bytes=1 << 20), device="cpu")
+    assert engine.runtime.max_model_len == 128
+    assert [engine.model_config.layer_window(i) for i in range(2)] == [64, 64]
 
 
 def test_context_limit_is_max_position_embeddings(llama_dir: Path) -> None:
@@ -200,13 +200,14 @@ def _loop_kernel(calls: list[int]):
     """A decode kernel written as a plain loop (GQA by repeating K/V heads), with the fused
     kernels' signature; counts its calls."""
 
-    def kernel(q, k_cache, v_cache, block_tables, context_lens, scale):
+    def kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window=None):
         calls.append(1)
         outs = []
         for b in range(q.shape[0]):
             n = int(context_lens[b])
-            k = k_cache[block_tables[b]].flatten(0, 1)[:n]  # (n, Hkv, d)
-            v = v_cache[block_tables[b]].flatten(0, 1)[:n]
+            lo = 0 if window is None else max(0, n - window)
+            k = k_cache[block_tables[b]].flatten(0, 1)[lo:n]  # (n - lo, Hkv, d)
+            v = v_cache[block_tables[b]].flatten(0, 1)[lo:n]
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (n, Hq, d)
             probs = (torch.einsum("hd,nhd->hn", q[b], k) * scale).softmax(-1)  # (Hq, n)

@@ -12,6 +12,16 @@ that the runner puts in the step's metadata. A prefill chunk with nothing cached
 attends to its own fresh K/V (no cache read); a short chunk after a cached past goes through
 the fused kernel when there is one (`PrefillKernel`), a longer one through the gather path,
 where SDPA's blocked matmuls beat a per-query kernel.
+
+Per-layer options of dot-product attention (`PagedAttention(..., window=, softcap=)`, the scale
+through `DotScore(scale=)`, sinks passed with each call):
+- `window`: sliding-window attention, HF's definition: the query at position i sees key j when
+  i - window < j <= i. Every path honours it (fused kernels take it as their last argument).
+- `softcap` (Gemma 2): scores become tanh(s / cap) * cap before the softmax.
+- `sinks` (gpt-oss): one learned logit per query head that joins each softmax's denominator
+  (and takes its share of the probability mass, then is dropped).
+Layers with a softcap or sinks run the gather path's explicit-softmax reference (`eager_attention`):
+the fused kernels and SDPA compute a plain softmax, so they are skipped for those layers.
 """
 
 from __future__ import annotations
@@ -26,11 +36,14 @@ from model.config import ModelConfig
 from model.layers.kv_cache import AttnMetadata, KVCache
 
 # A fused decode kernel: (q (B, Hq, d), k_cache, v_cache (num_blocks, block_size, Hkv, d),
-# block_tables (B, W) long, context_lens (B,) long, scale) -> (B, Hq, d).
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# block_tables (B, W) long, context_lens (B,) long, scale, window: int | None) -> (B, Hq, d); query
+# b sits at position context_lens[b] - 1 and sees the last `window` positions (all: None).
+# `window` is always passed (positionally, the last argument).
+DecodeKernel = Callable[..., torch.Tensor]
 # A fused prefill kernel: (q (L, Hq, d), k_cache, v_cache, block_table (W,) long, context_len,
-# scale) -> (L, Hq, d), query i at position context_len - L + i, causal.
-PrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+# scale, window: int | None) -> (L, Hq, d), query i at position context_len - L + i, causal (and
+# within the window).
+PrefillKernel = Callable[..., torch.Tensor]
 # Chunks of at most this many queries after a cached past use the prefill kernel (measured on
 # a 2-core CPU: the kernel wins at 16 queries over 1,024 cached positions, loses at 64 over 512).
 FUSED_PREFILL_MAX_QUERIES = 16
@@ -42,11 +55,12 @@ ADDITIVE_CHUNK_ELEMS = 1 << 22
 class DotScore(nn.Module):
     """Scaled dot-product scoring; holds no parameters.
 
-    `scaled=False` drops the 1/sqrt(d_k) (the paper's ablation, for experiments only)."""
+    `scaled=False` drops the 1/sqrt(d_k) (the paper's ablation, for experiments only); `scale`
+    overrides it (Gemma: query_pre_attn_scalar ** -0.5)."""
 
-    def __init__(self, d_head: int, scaled: bool = True) -> None:
+    def __init__(self, d_head: int, scaled: bool = True, scale: float | None = None) -> None:
         super().__init__()
-        self.scale = d_head**-0.5 if scaled else 1.0
+        self.scale = scale if scale is not None else d_head**-0.5 if scaled else 1.0
 
     def project_keys(self, k: torch.Tensor) -> torch.Tensor:
         return k
@@ -110,61 +124,125 @@ class AdditiveScore(nn.Module):
         return torch.cat(outs, dim=2)
 
 
+def band_mask(lq: int, s: int, q_start: int, k_start: int, window: int | None,
+              device: torch.device) -> torch.Tensor:
+    """(Lq, S) bool: query i (position q_start + i) sees key j (position k_start + j) when the key
+    is not after it and, with a window, within the last `window` positions."""
+    qpos = torch.arange(q_start, q_start + lq, device=device)[:, None]
+    kpos = torch.arange(k_start, k_start + s, device=device)[None, :]
+    mask = kpos <= qpos
+    return mask if window is None else mask & (kpos > qpos - window)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Explicit-softmax attention, for scores SDPA cannot express: q (B, Hq, Lq, d), k/v
+    (B, Hkv, S, d), mask bool broadcastable to (B, Hq, Lq, S) -> (B, Hq, Lq, d).
+
+    Follows HF's eager attention of Gemma 2 (softcap, softmax in float32) and gpt-oss (sinks
+    concatenated as a last column, max subtracted, softmax in the scores' dtype, column dropped)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # grouped-query attention: query head h reads K/V head h // groups
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, Lq, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        b, h, lq, _ = scores.shape
+        logits = torch.cat([scores, sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, lq, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return probs @ v
+
+
 class PagedAttention:
     """This step's queries over the paged cache of one layer with a scoring function, `dot`
     or `additive` (the latter without grouped-query attention). Holds no parameters: the
-    layer that owns the scoring module (and its weights) passes it in."""
+    layer that owns the scoring module (and its weights, and any sinks) passes it in.
 
-    def __init__(self, layer: int, d_head: int, score: DotScore | AdditiveScore) -> None:
+    `window`: sliding-window attention over at most that many positions (None: the whole
+    context); `softcap`: Gemma 2's attention logit soft-capping. Both for `dot` only."""
+
+    def __init__(self, layer: int, d_head: int, score: DotScore | AdditiveScore, window: int | None = None,
+                 softcap: float | None = None) -> None:
         self.layer = layer
         self.scale = score.scale if isinstance(score, DotScore) else d_head**-0.5
         self.score = score
+        if (window is not None or softcap is not None) and not isinstance(score, DotScore):
+            raise ValueError("sliding windows and soft-capping are only available for dot-product attention")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.softcap = softcap
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata,
-                cache: KVCache) -> torch.Tensor:
-        """q (T, Hq, d), k/v (T, Hkv, d) -> (T, Hq, d); writes this step's K/V into `cache` first."""
+                 cache: KVCache, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, Hq, d), k/v (T, Hkv, d) -> (T, Hq, d); writes this step's K/V into `cache` first.
+        `sinks` (Hq,): attention sinks' logits (gpt-oss), or None."""
         k = self.score.project_keys(k)
         cache.update(self.layer, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
+        # Soft-capped or sink scores have no fused kernel: the explicit-softmax reference runs them.
+        fused = isinstance(self.score, DotScore) and self.softcap is None and sinks is None
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta, cache)
+            out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta, cache, fused, sinks)
         for chunk in meta.prefills:
             sl = slice(chunk.start, chunk.start + chunk.length)
             if chunk.context_len == chunk.length:  # nothing cached before it: its own K/V are the context
-                out[sl] = self._attend_chunk(q[sl], k[sl], v[sl], start=0)
+                out[sl] = self._attend_chunk(q[sl], k[sl], v[sl], 0, 0, sinks)
             else:
-                out[sl] = self._prefill(q[sl], chunk.block_table, chunk.context_len, cache, meta)
+                out[sl] = self._prefill(q[sl], chunk.block_table, chunk.context_len, cache, meta, fused, sinks)
         if meta.capture is not None:  # an attention request's recompute (model/inspect/attention_maps.py)
             meta.capture.record(self, q, meta, cache)
         return out
 
-    def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache, fused: bool,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         """One query per sequence: q (B, Hq, d) against each sequence's cached past -> (B, Hq, d)."""
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        if meta.decode_kernel is not None and isinstance(self.score, DotScore):
-            return meta.decode_kernel(q, cache.keys[self.layer], cache.values[self.layer],
-                                      meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        if meta.decode_kernel is not None and fused:
+            return meta.decode_kernel(q, cache.keys[self.layer], cache.values[self.layer], meta.decode_block_tables,
+                                      meta.decode_context_lens, self.scale, self.window)
         k, v = cache.gather(self.layer, meta.decode_block_tables)  # (B, S_blocks, Hkv, d)
         s = meta.decode_max_context
         k, v = k[:, :s].transpose(1, 2).to(q.dtype), v[:, :s].transpose(1, 2).to(q.dtype)  # (B, Hkv, S, d)
-        mask = meta.decode_mask  # (B, 1, 1, S)
+        mask = meta.decode_window_mask(self.window)  # (B, 1, 1, S)
+        if self.softcap is not None or sinks is not None:
+            return eager_attention(q.unsqueeze(2), k, v, mask, self.scale, self.softcap, sinks).squeeze(2)
         return self.score.attend(q.unsqueeze(2), k, v, mask=mask).squeeze(2)
 
     def _prefill(self, q: torch.Tensor, block_table: torch.Tensor, context_len: int, cache: KVCache,
-                 meta: AttnMetadata) -> torch.Tensor:
+                 meta: AttnMetadata, fused: bool, sinks: torch.Tensor | None) -> torch.Tensor:
         """A chunk of L queries at the end of a context of `context_len` positions -> (L, Hq, d)."""
         length = q.shape[0]
-        if (meta.prefill_kernel is not None and isinstance(self.score, DotScore)
-                and length <= FUSED_PREFILL_MAX_QUERIES):
+        if meta.prefill_kernel is not None and fused and length <= FUSED_PREFILL_MAX_QUERIES:
             return meta.prefill_kernel(q, cache.keys[self.layer], cache.values[self.layer], block_table,
-                                       context_len, self.scale)
-        k, v = cache.gather(self.layer, block_table[None])  # (1, S_blocks, Hkv, d)
-        return self._attend_chunk(q, k[0, :context_len], v[0, :context_len], start=context_len - length)
+                                       context_len, self.scale, self.window)
+        start = context_len - length  # position of the chunk's first query
+        # With a window, only the blocks holding positions the first query can still see are read.
+        first_key = 0 if self.window is None else max(0, start - self.window + 1)
+        first_block = first_key // cache.block_size
+        k, v = cache.gather(self.layer, block_table[None, first_block:])  # (1, S_blocks, Hkv, d)
+        k_start = first_block * cache.block_size
+        k, v = k[0, : context_len - k_start], v[0, : context_len - k_start]
+        return self._attend_chunk(q, k, v, start, k_start, sinks)
 
-    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        """q (L, Hq, d) at positions start .. start + L - 1 over k/v (S, Hkv, d), causal -> (L, Hq, d)."""
+    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, k_start: int,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+        """q (L, Hq, d) at positions start .. start + L - 1 over k/v (S, Hkv, d) at positions
+        k_start .. k_start + S - 1, causal (and windowed) -> (L, Hq, d)."""
         q_, k_, v_ = (z.transpose(0, 1)[None].to(q.dtype) for z in (q, k, v))  # (1, H, L or S, d)
-        return self.score.attend(q_, k_, v_, causal_offset=start)[0].transpose(0, 1)
+        if self.window is None and self.softcap is None and sinks is None:
+            return self.score.attend(q_, k_, v_, causal_offset=start - k_start)[0].transpose(0, 1)
+        mask = band_mask(q.shape[0], k.shape[0], start, k_start, self.window, q.device)  # (L, S)
+        if self.softcap is not None or sinks is not None:
+            out = eager_attention(q_, k_, v_, mask, self.scale, self.softcap, sinks)
+        else:
+            out = self.score.attend(q_, k_, v_, mask=mask)
+        return out[0].transpose(0, 1)
 
 
 class MultiHeadAttention(nn.Module):

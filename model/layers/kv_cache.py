@@ -48,6 +48,8 @@ class AttnMetadata:
     # An attention-weights capture (model.inspect.attention_maps.AttentionCapture), set only for the
     # explicit recompute of an attention request; None in every serving step.
     capture: Any = None
+    # decode_window_mask's masks, one per sliding-window size in use this step.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -56,6 +58,19 @@ class AttnMetadata:
         assert self.decode_context_lens is not None
         pos = torch.arange(self.decode_max_context, device=self.decode_context_lens.device)
         return (pos[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+
+    def decode_window_mask(self, window: int | None) -> torch.Tensor:
+        """`decode_mask` for a layer with a sliding window: only each context's last `window`
+        positions are valid (HF: key j is seen from position i when i - window < j <= i).
+        Built once per step and window size; None: `decode_mask` itself."""
+        if window is None:
+            return self.decode_mask
+        if window not in self._window_masks:
+            assert self.decode_context_lens is not None
+            pos = torch.arange(self.decode_max_context, device=self.decode_context_lens.device)
+            lens = self.decode_context_lens[:, None]
+            self._window_masks[window] = ((pos[None, :] < lens) & (pos[None, :] >= lens - window))[:, None, None, :]
+        return self._window_masks[window]
 
 
 class KVCache:

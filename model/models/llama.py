@@ -26,6 +26,11 @@ from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpe
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, head_dim) each
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """The dims of each head that RoPE rotates: int(d_head * partial_rotary_factor), as HF."""
+    return int(cfg.d_head * cfg.partial_rotary_factor)
+
+
 class LlamaAttention(nn.Module):
     """q/k/v projections (Hq and Hkv heads of head_dim), optional q/k norms, RoPE, paged attention."""
 
@@ -40,7 +45,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
             self.k_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = PagedAttention(layer, cfg.d_head, DotScore(cfg.d_head))
+        self.attn = PagedAttention(layer, cfg.d_head, DotScore(cfg.d_head), window=cfg.layer_window(layer))
 
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
         """x (T, d_model) -> (T, d_model)."""
@@ -82,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.d_head, cfg.rope_theta, cfg.rope_scaling, rotary_dim(cfg))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 cache: KVCache) -> torch.Tensor:
@@ -104,25 +109,55 @@ class LlamaForCausalLM(nn.Module):
 DEFAULT_ROPE_TYPES = (None, "default")
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """rope_theta and rope_scaling, from `rope_parameters` (transformers 5) or the older
-    top-level `rope_theta` + `rope_scaling`."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # what transformers 4.x configs of Phi-3 call it
+
+
+def rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters: `rope_parameters` (transformers 5) or the older `rope_scaling`."""
+    return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
+
+def _rope(raw: dict[str, Any], params: dict[str, Any] | None = None) -> tuple[float, RopeScaling | None]:
+    """rope_theta and rope_scaling, from `params` (default: `rope_parameters`, transformers 5,
+    or the older top-level `rope_theta` + `rope_scaling`); read as modeling_rope_utils does."""
+    params = rope_params(raw) if params is None else params
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported")
+    kind = ROPE_TYPE_ALIASES.get(kind, kind)
     if kind in DEFAULT_ROPE_TYPES:
         return theta, None
     if kind not in ROPE_SCALING_TYPES:
         raise CheckpointError(f"rope_scaling type {kind!r} is not supported; supported: default, "
                               f"{', '.join(ROPE_SCALING_TYPES)}")
-    scaling = RopeScaling(kind=kind, factor=float(params["factor"]),
-                          low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                          high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                          original_max_position=int(params.get("original_max_position_embeddings",
-                                                               raw.get("max_position_embeddings", 8192))))
+    max_position = raw.get("max_position_embeddings", 8192)
+    original = int(params.get("original_max_position_embeddings")
+                   or raw.get("original_max_position_embeddings") or max_position)
+    if kind == "dynamic":  # HF's dynamic NTK counts from max_position_embeddings itself
+        original = max_position
+    factor = params.get("factor")
+    if factor is None:
+        if kind not in ("yarn", "longrope"):
+            raise CheckpointError(f"rope_scaling type {kind!r} needs a factor")
+        factor = max_position / original
+    beta_fast, beta_slow = params.get("beta_fast"), params.get("beta_slow")
+    try:
+        scaling = RopeScaling(
+            kind=kind, factor=float(factor), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)), original_max_position=original,
+            attention_factor=params.get("attention_factor"), mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"), beta_fast=float(beta_fast or 32),
+            beta_slow=float(beta_slow or 1), truncate=bool(params.get("truncate", True)),
+            short_factor=params.get("short_factor"), long_factor=params.get("long_factor"))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
     return theta, scaling
+
+
+def partial_rotary_factor(raw: dict[str, Any]) -> float:
+    """The fraction of each head's dims that RoPE rotates (Phi-3/4's `partial_rotary_factor`)."""
+    params = rope_params(raw)
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return float(inner if inner is not None else raw.get("partial_rotary_factor", 1.0))
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
@@ -134,6 +169,20 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return int(window)
 
 
+def layer_types(raw: dict[str, Any], window: int | None) -> tuple[str, ...] | None:
+    """Which layers have the sliding window: config.json's `layer_types`, or (older Qwen2/3
+    configs) the layers from `max_window_layers` on; None: all of them (Mistral)."""
+    if window is None:
+        return None
+    if raw.get("layer_types"):
+        return tuple(raw["layer_types"])
+    if "max_window_layers" in raw:
+        first = int(raw["max_window_layers"])
+        return tuple("sliding_attention" if i >= first else "full_attention"
+                     for i in range(raw["num_hidden_layers"]))
+    return None
+
+
 def _parser(qkv_bias: bool | None, qk_norm: bool) -> Callable[[dict[str, Any], bool], ModelConfig]:
     """A config.json parser for one family member; `qkv_bias` None: from `attention_bias`."""
 
@@ -141,6 +190,7 @@ def _parser(qkv_bias: bool | None, qk_norm: bool) -> Callable[[dict[str, Any], b
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"hidden_act must be silu, got {raw['hidden_act']!r}")
         theta, scaling = _rope(raw)
+        window = _sliding_window(raw)
         attention_bias = bool(raw.get("attention_bias", False))
         heads = raw["num_attention_heads"]
         return ModelConfig(
@@ -152,7 +202,8 @@ def _parser(qkv_bias: bool | None, qk_norm: bool) -> Callable[[dict[str, Any], b
             head_dim=raw.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
             qkv_bias=attention_bias if qkv_bias is None else qkv_bias, out_bias=attention_bias and qkv_bias is None,
             mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=qk_norm,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), sliding_window=_sliding_window(raw))
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), sliding_window=window,
+            layer_types=layer_types(raw, window), partial_rotary_factor=partial_rotary_factor(raw))
 
     return parse
 

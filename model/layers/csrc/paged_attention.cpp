@@ -1,7 +1,9 @@
 // Dot-product attention that reads the paged KV cache where it lies (CPU).
 //
 // One call serves decode and prefill chunks alike: query token t of sequence seq[t] sees the
-// first num_keys[t] positions of that sequence, found through its block table. Work items are
+// first num_keys[t] positions of that sequence, found through its block table; with a sliding
+// window w > 0 only the last w of them (positions num_keys[t] - w .. num_keys[t] - 1, as HF's
+// sliding-window mask: key j is seen by query i when i - w < j <= i). Work items are
 // (query token, KV head); each item scores all G = Hq / Hkv query heads of its group against
 // every key row it reads, so a key is loaded once per group (grouped-query attention). Two
 // passes per item over a scratch row of scores (scores, softmax, weighted sum of values),
@@ -78,22 +80,27 @@ struct Shape {
   int64_t bs, hkv, g, d;  // block size, KV heads, query heads per KV head, head size
 };
 
-// Query heads of KV heads [h0, h1) of one query token against its n visible keys.
+// Query heads of KV heads [h0, h1) of one query token against its visible keys, positions
+// lo .. end - 1 of its sequence (n = end - lo of them).
 // q and out point at query head h0 * G; scores is scratch of (h1 - h0) * G * n floats.
 template <typename cache_t>
 void attend_item(const float* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* table,
-                 int64_t n, int64_t h0, int64_t h1, const Shape& sh, float* out, std::vector<float>& scores) {
-  const int64_t heads = (h1 - h0) * sh.g, d = sh.d;
+                 int64_t lo, int64_t end, int64_t h0, int64_t h1, const Shape& sh, float* out,
+                 std::vector<float>& scores) {
+  const int64_t heads = (h1 - h0) * sh.g, d = sh.d, n = end - lo;
   scores.resize(static_cast<size_t>(heads * n));
   float* s = scores.data();
   const int64_t row_stride = sh.hkv * d;  // between consecutive positions of one block
   const int64_t block_stride = sh.bs * row_stride;
-  // Pass 1: scores s[i, j] = q_i . k_j, reading each position's heads h0..h1 as one run.
-  for (int64_t j0 = 0, b = 0; j0 < n; j0 += sh.bs, ++b) {
-    const int64_t rows = std::min(sh.bs, n - j0);
-    const cache_t* base = k_cache + table[b] * block_stride + h0 * d;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < heads; ++i) s[i * n + j0 + r] = dot(q + i * d, base + r * row_stride + (i / sh.g) * d, d);
+  // Pass 1: scores s[i, j - lo] = q_i . k_j, reading each position's heads h0..h1 as one run;
+  // block by block, the first one entered at row lo % bs.
+  for (int64_t j = lo; j < end;) {
+    const int64_t r0 = j % sh.bs, rows = std::min(sh.bs - r0, end - j);
+    const cache_t* base = k_cache + table[j / sh.bs] * block_stride + h0 * d;
+    for (int64_t r = r0; r < r0 + rows; ++r)
+      for (int64_t i = 0; i < heads; ++i)
+        s[i * n + j - lo + r - r0] = dot(q + i * d, base + r * row_stride + (i / sh.g) * d, d);
+    j += rows;
   }
   // Softmax per head; the normaliser is applied to the output at the end.
   std::vector<float> inv(static_cast<size_t>(heads));
@@ -110,21 +117,24 @@ void attend_item(const float* q, const cache_t* k_cache, const cache_t* v_cache,
   }
   // Pass 2: out_i = sum_j p[i, j] v_j.
   std::fill(out, out + heads * d, 0.f);
-  for (int64_t j0 = 0, b = 0; j0 < n; j0 += sh.bs, ++b) {
-    const int64_t rows = std::min(sh.bs, n - j0);
-    const cache_t* base = v_cache + table[b] * block_stride + h0 * d;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < heads; ++i) axpy(out + i * d, s[i * n + j0 + r], base + r * row_stride + (i / sh.g) * d, d);
+  for (int64_t j = lo; j < end;) {
+    const int64_t r0 = j % sh.bs, rows = std::min(sh.bs - r0, end - j);
+    const cache_t* base = v_cache + table[j / sh.bs] * block_stride + h0 * d;
+    for (int64_t r = r0; r < r0 + rows; ++r)
+      for (int64_t i = 0; i < heads; ++i)
+        axpy(out + i * d, s[i * n + j - lo + r - r0], base + r * row_stride + (i / sh.g) * d, d);
+    j += rows;
   }
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t e = 0; e < d; ++e) out[i * d + e] *= inv[i];
 }
 
 // q (T, Hq, d) float32; k_cache, v_cache (N, bs, Hkv, d); block_tables (S, W) int64;
-// query_seq (T,) int64: row of block_tables; num_keys (T,) int64 >= 1. -> (T, Hq, d) float32.
+// query_seq (T,) int64: row of block_tables; num_keys (T,) int64 >= 1; window: the sliding
+// window in positions, 0 for none. -> (T, Hq, d) float32.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_seq,
-                           const at::Tensor& num_keys, double scale) {
+                           const at::Tensor& num_keys, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be (T, Hq, d) float32");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v caches must be (N, bs, Hkv, d)");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must share a dtype");
@@ -137,6 +147,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.size(3) == d, "head size of q (", d, ") and cache (", k_cache.size(3), ") differ");
   TORCH_CHECK(hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
   TORCH_CHECK(query_seq.numel() == t_count && num_keys.numel() == t_count, "one query_seq/num_keys per query");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
   const int64_t g_count = hq / hkv;
 
   const at::Tensor qs = (q * scale).contiguous();
@@ -170,8 +181,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t t = item / n_chunks, h0 = (item % n_chunks) * per_chunk;
         const int64_t h1 = std::min(hkv, h0 + per_chunk);
         const int64_t off = (t * hq + h0 * g_count) * d;  // query head h0 * G of token t
-        attend_item<scalar_t>(q_p + off, k_p, v_p, tab_p + seq_p[t] * width, nk_p[t], h0, h1, sh, out_p + off,
-                              scores);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, nk_p[t] - window) : 0;
+        attend_item<scalar_t>(q_p + off, k_p, v_p, tab_p + seq_p[t] * width, lo, nk_p[t], h0, h1, sh,
+                              out_p + off, scores);
       }
     });
   });
@@ -182,7 +194,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(qkv_paged, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_seq, "
-        "Tensor num_keys, float scale) -> Tensor");
+        "Tensor num_keys, float scale, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qkv_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }
