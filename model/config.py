@@ -16,6 +16,11 @@ Arch = Literal["transformer", "gpt2", "llama", "moe", "gemma2", "gemma3", "phi3"
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+Quantization = Literal["none", "int8", "int4"]
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+AttentionBackend = Literal["auto", "gather", "fused", "flex"]
+ATTENTION_BACKENDS = ("auto", "gather", "fused", "flex")
 
 # Byte-level vocabulary: 256 byte values followed by the special tokens.
 BYTE_VOCAB = 256
@@ -267,6 +272,19 @@ class EngineConfig:
     # Storage type of cached keys and values; "auto" is the model's dtype. bfloat16/float16 halve
     # the cache's memory (twice the blocks for the same bytes) and the bytes attention reads.
     kv_cache_dtype: KVCacheDtype = "auto"
+    # How attention reads the paged cache (model/engine/runner.py): `gather` (the reference: copy,
+    # then SDPA), `fused` (the C++ CPU kernel), `flex` (FlexAttention, the CUDA kernel); `auto`:
+    # fused on the CPU (gather if it cannot be built), flex on CUDA.
+    attention_backend: AttentionBackend = "auto"
+    # True: decode steps run eagerly; False: on CUDA each decode batch-size bucket is captured once
+    # in a CUDA graph and replayed (vLLM's name). Prefill always runs eagerly.
+    enforce_eager: bool = False
+    # Weight-only quantization applied at load (model/layers/linear/quantized.py): int8 per output
+    # channel, int4 in groups of `quantization_group_size` input columns. A GPTQ/AWQ checkpoint is
+    # loaded as its config.json's `quantization_config` says, with quantization "none".
+    quantization: Quantization = "none"
+    quantization_group_size: int = 128
+    quantize_lm_head: bool = False  # also the LM head (the embedding lookup stays full precision)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -281,6 +299,14 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of "
+                             f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}; got {self.quantization_group_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                             f"got {self.attention_backend!r}")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -295,3 +321,4 @@ class RuntimeInfo:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    quantization: str = "none"  # what the weights hold: none, int8, int4, gptq or awq

@@ -38,7 +38,13 @@ class LLM:
     """
 
     def __init__(self, model: str = "transformer-base", device: str = "auto", dtype: str = "auto",
-                 seed: int = 0, engine_config: EngineConfig | None = None, revision: str | None = None) -> None:
+                 seed: int = 0, engine_config: EngineConfig | None = None, revision: str | None = None,
+                 enforce_eager: bool | None = None, attention_backend: str | None = None) -> None:
+        """`enforce_eager` and `attention_backend`, when given, replace those fields of `engine_config`."""
+        changes = {k: v for k, v in (("enforce_eager", enforce_eager), ("attention_backend", attention_backend))
+                   if v is not None}
+        if changes:
+            engine_config = (engine_config or EngineConfig()).replace(**changes)
         self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed, revision=revision)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -59,6 +59,8 @@ class AppArgs(BaseModel):
     kv_cache_bytes: int | None = Field(None, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
+    attention_backend: Literal["auto", "gather", "fused", "flex"] = "auto"  # auto: fused on CPU, flex on CUDA
+    enforce_eager: bool = False  # True: no CUDA graphs for decode
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
     prefix_aware_routing: bool = True  # with prefix caching: a shared prefix goes to the replica holding it
@@ -93,7 +95,8 @@ class AppArgs(BaseModel):
     def engine_config(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                               "kv_cache_bytes", "num_kv_blocks", "max_model_len",
-                                              "enable_prefix_caching", "kv_cache_dtype")}
+                                              "enable_prefix_caching", "kv_cache_dtype", "attention_backend",
+                                              "enforce_eager")}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between steps.

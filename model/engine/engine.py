@@ -22,6 +22,7 @@ from model.inspect.attention_spec import AttentionShape, check_attention
 from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.loading.pooling_config import read_pooling_config
+from model.loading.quantize import on_the_fly_scheme, quantization_of
 from model.loading.tokenizer import IncrementalDetokenizer
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
@@ -72,17 +73,24 @@ class Engine:
         self.dtype = resolve_dtype(dtype, self.device, model_dtype(source))
         torch.manual_seed(seed)
         self.model_name = model
-        self.model_config, net, self.tokenizer, self.generation_config = load_weights(source, self.dtype,
-                                                                                      self.device)
+        ec = self.config
+        self.model_config, net, self.tokenizer, self.generation_config = load_weights(
+            source, self.dtype, self.device, quantize=on_the_fly_scheme(ec.quantization, ec.quantization_group_size),
+            quantize_lm_head=ec.quantize_lm_head)
+        self.quant_scheme = quantization_of(net)  # on the fly, or the checkpoint's own (GPTQ, AWQ)
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
         cfg.check_context(max_len)
         kv = self.config.kv_cache_dtype
         self.kv_cache_dtype = self.dtype if kv == "auto" else getattr(torch, kv)
         num_blocks = self._num_blocks(cfg, max_len)
-        cache = KVCache(cfg.n_layers, num_blocks, self.config.block_size, cfg.kv_heads, cfg.d_head,
+        # One block more than the block manager hands out: the scratch block where padding rows of
+        # static (CUDA-graph) decode batches write (model/engine/runner.py).
+        cache = KVCache(cfg.n_layers, num_blocks + 1, self.config.block_size, cfg.kv_heads, cfg.d_head,
                         self.kv_cache_dtype, self.device)
-        self.runner = ModelRunner(net, cache, self.device)
+        self.runner = ModelRunner(net, cache, self.device, self.config.attention_backend, self.config.enforce_eager,
+                                  scratch_block=num_blocks, max_num_seqs=self.config.max_num_seqs,
+                                  max_model_len=max_len)
         # Prefill-only forwards for /v1/embeddings, run by the step thread between steps (service/openai/embeddings.py).
         pooling = read_pooling_config(None if source in PRESETS else source, cfg.d_model)
         self.embedder = Embedder(net, pooling, self.device, self.config.max_num_batched_tokens)
@@ -95,14 +103,16 @@ class Engine:
         self.scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    recompute_all=not self.config.enable_kv_cache)
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
-                                   self.config.block_size, max_len)
+                                   self.config.block_size, max_len,
+                                   self.quant_scheme.method if self.quant_scheme else "none")
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(self.tokenizer.eos_token_ids))
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)", model, self.runtime.device,
-                    self.runtime.dtype, num_blocks, self.config.block_size,
-                    str(self.kv_cache_dtype).removeprefix("torch."))
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s", model,
+                    self.runtime.device, self.runtime.dtype, num_blocks, self.config.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."),
+                    self.quant_scheme.describe() if self.quant_scheme else "none")
 
     def _num_blocks(self, cfg: ModelConfig, max_len: int) -> int:
         ec = self.config

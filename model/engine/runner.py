@@ -1,29 +1,92 @@
-"""Turns a scheduled batch into tensors, runs one forward pass, samples. Returns plain lists."""
+"""Turns a scheduled batch into tensors, runs one forward pass, samples. Returns plain lists.
+
+Attention backends (`EngineConfig.attention_backend`): `gather` (the reference), `fused` (the
+C++ CPU kernel, model/layers/paged_attention.py), `flex` (FlexAttention over the paged cache,
+model/layers/flex_attention.py, the CUDA kernel). The runner puts the chosen kernels in each
+step's `AttnMetadata`; the model never knows which.
+
+Decode steps run on static buffers (`DecodeGraphs`): a decode-only batch of B sequences is copied into buffers padded to the next batch-size bucket,
+run, and the outputs sliced back to B rows. On CUDA each bucket's forward is captured once in a
+CUDA graph and replayed (vLLM's scheme); `enforce_eager` turns the static buffers and graphs
+off. Prefill runs eagerly.
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import TokenLogprob
+from model.layers.flex_attention import FlexPagedAttention, flex_supported
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.layers.paged_attention import paged_decode_attention, paged_prefill_attention, use_fused
 from model.models.transformer import Transformer
 from model.sampling.sampler import SamplingRow, prompt_token_logprobs, sample
 
+logger = logging.getLogger(__name__)
+
+
+def choose_backend(name: str, device: torch.device, block_size: int) -> str:
+    """The attention backend `name` resolves to on `device`; ValueError for one that cannot run there."""
+    if name == "auto":
+        if device.type == "cpu":
+            return "fused" if use_fused(device) else "gather"
+        # On CUDA: FlexAttention's compiled kernel over the paged cache. FlashAttention's KV-cache API
+        # (flash_attn_with_kvcache) is not wired in: its paged mode needs blocks of 256 tokens. Which of
+        # flex and gather + SDPA is faster on the device is to be confirmed by measurement
+        # (loadtests/device_check.py compares them).
+        return "flex" if flex_supported(device, block_size) else "gather"
+    if name == "fused" and not use_fused(device):
+        raise ValueError(f"attention_backend 'fused' is the CPU kernel and cannot run on {device} "
+                         "(or could not be built); use auto, gather or flex")
+    if name == "flex" and device.type == "cuda" and not flex_supported(device, block_size):
+        raise ValueError(f"attention_backend 'flex' on CUDA needs a block_size that is a multiple of 16, "
+                         f"got {block_size}")
+    if name not in ("gather", "fused", "flex"):
+        raise ValueError(f"attention_backend must be auto, gather, fused or flex; got {name!r}")
+    return name
+
 
 class ModelRunner:
-    """Owns the model and its KV cache on one device."""
+    """Owns the model and its KV cache on one device.
 
-    def __init__(self, model: Transformer, cache: KVCache, device: torch.device) -> None:
+    `scratch_block`: a cache block the block manager never hands out, where the padding rows of
+    static decode batches write; None turns the static-buffer decode path off."""
+
+    def __init__(self, model: Transformer, cache: KVCache, device: torch.device, attention_backend: str = "auto",
+                 enforce_eager: bool = True, scratch_block: int | None = None, max_num_seqs: int = 1,
+                 max_model_len: int = 0) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.block_size = cache.block_size
-        # Decode attention reads the paged cache in place through the fused kernel where it
-        # builds (CPU); otherwise, and for additive attention, through the gather path.
         self.fused_available = use_fused(device)
-        self.fused_decode = self.fused_available
+        self.backend = choose_backend(attention_backend, device, cache.block_size)
+        self.flex = FlexPagedAttention(cache.num_blocks, cache.block_size, device)
+        self.graphs: DecodeGraphs | None = None
+        if not enforce_eager and scratch_block is not None:
+            width = max(1, -(-max_model_len // cache.block_size))
+            self.graphs = DecodeGraphs(self, scratch_block, max_num_seqs, width)
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether attention reads the cache through the fused CPU kernel (settable: True picks the
+        fused backend, False the gather reference)."""
+        return self.backend == "fused"
+
+    @fused_decode.setter
+    def fused_decode(self, on: bool) -> None:
+        self.backend = "fused" if on else "gather"
+
+    def set_kernels(self, meta: AttnMetadata) -> None:
+        """Put this backend's decode and prefill kernels in `meta` (none for the gather path)."""
+        if self.backend == "fused":
+            meta.decode_kernel, meta.prefill_kernel = paged_decode_attention, paged_prefill_attention
+        elif self.backend == "flex":
+            self.flex.new_step()
+            meta.decode_kernel, meta.prefill_kernel = self.flex.decode, self.flex.prefill
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int]]:
         """Flatten the batch: decode tokens (one per sequence) first, then prefill chunks.
@@ -42,8 +105,7 @@ class ModelRunner:
             where[id(s)] = len(tokens) - 1
         pos = torch.tensor(positions, dtype=torch.long)
         meta = AttnMetadata(slot_mapping=self._slots(decode + prefill, pos), num_decode=len(decode))
-        if self.fused_decode:
-            meta.prefill_kernel = paged_prefill_attention
+        self.set_kernels(meta)
         if decode:
             self._decode_meta(meta, decode)
         offset = len(decode)
@@ -68,8 +130,6 @@ class ModelRunner:
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)  # (B, width)
         meta.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)  # (B,)
         meta.decode_max_context = max(lens)
-        if self.fused_decode:
-            meta.decode_kernel = paged_decode_attention
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], rows: list[SamplingRow],
@@ -80,7 +140,10 @@ class ModelRunner:
         Sequences whose params ask for `prompt_logprobs` also get, in `prompt_logprobs[request_id]`,
         the logprobs of the prompt tokens this chunk's positions predict (in position order)."""
         tokens, positions, meta, sample_idx = self.prepare(batch)
-        hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
+        if self.graphs is not None and prompt_logprobs is None and self.graphs.takes(meta):
+            hidden = self.graphs.run(tokens, positions, meta)  # (B, d_model)
+        else:
+            hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
         if prompt_logprobs is not None:
             self._prompt_logprobs(batch, hidden, prompt_logprobs)
         if not sample_idx:
@@ -100,6 +163,111 @@ class ModelRunner:
                 targets = seq.prompt_token_ids[start + 1:stop + 1]
                 out[seq.request_id] = prompt_token_logprobs(logits, targets, seq.params.prompt_logprobs)
             flat += n
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes: 1, 2, 4, then multiples of 8 (vLLM's), up to max_num_seqs."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """Decode-only steps on static buffers padded to a batch-size bucket; on CUDA one CUDA graph
+    per bucket, captured the first time the bucket runs (after an eager warm-up) and replayed.
+
+    Padding rows decode token 0 at position 0 into the scratch block (slot mapping and block
+    table point there, context length 1), so they never touch a sequence's blocks."""
+
+    def __init__(self, runner: ModelRunner, scratch_block: int, max_num_seqs: int, width: int) -> None:
+        self.runner = runner
+        self.buckets = batch_buckets(max_num_seqs)
+        self.width = width  # block-table columns: blocks of the longest context
+        self.scratch_block = scratch_block
+        n, dev = self.buckets[-1], runner.device
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, width, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
+        self.capture = dev.type == "cuda"
+        if not self.capture:
+            logger.info("decode runs on static padded buffers; CUDA graph capture skipped on %s", dev)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttnMetadata]] = {}
+        self._pool = None
+        self.num_replays = 0
+
+    def takes(self, meta: AttnMetadata) -> bool:
+        """Whether this step runs here: decode only, within the largest bucket and the table width."""
+        return (not meta.prefills and meta.capture is None and 0 < meta.num_decode <= self.buckets[-1]
+                and meta.decode_block_tables is not None and meta.decode_block_tables.shape[1] <= self.width)
+
+    def bucket(self, b: int) -> int:
+        return next(s for s in self.buckets if s >= b)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """The decode step of `meta` through the static buffers -> hidden (B, d_model)."""
+        b, bucket = meta.num_decode, self.bucket(meta.num_decode)
+        self._fill(tokens, positions, meta, bucket)
+        if not self.capture:  # the CPU: eager on the padded buffers, block tables as wide as this step's
+            hidden = self.runner.model(self.tokens[:bucket], self.positions[:bucket],
+                                       self._meta(bucket, meta.decode_block_tables.shape[1], meta.decode_max_context),
+                                       self.runner.cache)
+            return hidden[:b]
+        if bucket not in self._graphs:
+            try:
+                self._capture_bucket(bucket)
+            except Exception as exc:  # an op that cannot be captured: decode eagerly from now on
+                logger.warning("CUDA graph capture failed (%s: %s); decoding eagerly on static buffers",
+                               type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self.capture = False
+                return self.run(tokens, positions, meta)
+        graph, out, _ = self._graphs[bucket]
+        graph.replay()
+        self.num_replays += 1
+        return out[:b]
+
+    def _fill(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, bucket: int) -> None:
+        """Copy the step's B rows into the buffers; rows B .. bucket - 1 become padding."""
+        b, w = meta.num_decode, meta.decode_block_tables.shape[1]
+        self.tokens[:b].copy_(tokens)
+        self.positions[:b].copy_(positions)
+        self.slots[:b].copy_(meta.slot_mapping)
+        self.block_tables[:b, :w].copy_(meta.decode_block_tables)
+        self.block_tables[:b, w:].fill_(self.scratch_block)
+        self.context_lens[:b].copy_(meta.decode_context_lens)
+        if bucket > b:
+            self.tokens[b:bucket].zero_()
+            self.positions[b:bucket].zero_()
+            self.slots[b:bucket].fill_(self.scratch_block * self.runner.block_size)
+            self.block_tables[b:bucket].fill_(self.scratch_block)
+            self.context_lens[b:bucket].fill_(1)
+
+    def _meta(self, bucket: int, width: int, max_context: int) -> AttnMetadata:
+        """A fresh metadata over the buffers' first `bucket` rows and `width` table columns."""
+        meta = AttnMetadata(slot_mapping=self.slots[:bucket], num_decode=bucket,
+                            decode_block_tables=self.block_tables[:bucket, :width],
+                            decode_context_lens=self.context_lens[:bucket], decode_max_context=max_context)
+        self.runner.set_kernels(meta)
+        return meta
+
+    def _capture_bucket(self, bucket: int) -> None:
+        """Warm up (compiles, sizes workspaces) then capture one bucket's forward. The warm-up runs
+        on the step's own inputs, so the K/V it writes are the ones the replay writes again."""
+        runner, full = self.runner, self.width * self.runner.block_size
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                runner.model(self.tokens[:bucket], self.positions[:bucket], self._meta(bucket, self.width, full),
+                             runner.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph, meta = torch.cuda.CUDAGraph(), self._meta(bucket, self.width, full)
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = runner.model(self.tokens[:bucket], self.positions[:bucket], meta, runner.cache)
+        self._graphs[bucket] = (graph, out, meta)
+        logger.info("captured the decode CUDA graph of batch size %d", bucket)
 
 
 def _split(batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:

@@ -21,6 +21,8 @@ from torch import nn
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.loading.quantize import (QuantScheme, checkpoint_names, load_scheme, loadable_tensors, prepare_layers,
+                                    quantize_head)
 from model.loading.weight_files import INDEX_FILE, WEIGHTS_FILE, TensorIndex, weight_files
 from model.models.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of, build_model
 from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec
@@ -91,7 +93,7 @@ def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, Te
         raise CheckpointError(f"checkpoint {directory} is missing tensors: {_listing(missing)}")
     if unexpected:
         raise CheckpointError(f"checkpoint {directory} has unexpected tensors: {_listing(unexpected)}")
-    params = dict(model.named_parameters())
+    params = loadable_tensors(model)  # quantized layers take their weight through a sink
     for ours, t in names.items():
         if t.load is not None:  # checks its sources' shapes as it reads them
             continue
@@ -108,7 +110,7 @@ def _check_tensors(model: nn.Module, spec: ArchitectureSpec, names: dict[str, Te
 def _copy_weights(model: nn.Module, names: dict[str, TensorSpec], index: TensorIndex, directory: Path) -> None:
     """Read each tensor and copy it into its parameter, one at a time; `copy_` converts the
     dtype on the way, so at most one tensor exists twice."""
-    params = dict(model.named_parameters())
+    params = loadable_tensors(model)
     total = sum(p.numel() * p.element_size() for p in params.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {directory.name}",
               disable=total < PROGRESS_MIN_BYTES) as bar:
@@ -138,8 +140,8 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module
     return model.to(dtype=dtype).to_empty(device=device)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> tuple[ModelConfig, nn.Module]:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               quantize: QuantScheme | None = None, quantize_lm_head: bool = False) -> tuple[ModelConfig, nn.Module]:
     """Load a checkpoint directory into its model (eval mode) on `device` in `dtype`.
 
     Raises `CheckpointError` naming what is missing, unexpected or of the wrong shape.
@@ -147,13 +149,25 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     directory = Path(path)
     cfg, spec = _parse(directory)
     files = weight_files(directory)
-    model = _empty_model(cfg, dtype, device).eval()
     index = TensorIndex(files)
-    names = _name_map(model, spec, index)
+    scheme = load_scheme(_read_config(directory), str(directory / CONFIG_FILE), quantize, quantize_lm_head)
+    if scheme is None:
+        model = _empty_model(cfg, dtype, device).eval()
+        names = _name_map(model, spec, index)
+    else:  # linear layers become quantized ones on the meta device, before anything is allocated
+        with torch.device("meta"):
+            meta = build_model(cfg).to(dtype=dtype)
+        names = _name_map(meta, spec, index)
+        prepare_layers(meta, scheme, names, index)
+        model = meta.to_empty(device=device).eval()
+        if scheme.loader is not None:
+            names = checkpoint_names(model, names, scheme, index)
     _check_tensors(model, spec, names, index, directory)
     _copy_weights(model, names, index, directory)
     if spec.verify is not None:
         spec.verify(model, index, str(directory))
+    if quantize_lm_head:
+        quantize_head(model, scheme)
     logger.info("loaded %s (%s, %d tensors from %d file(s)) as %s on %s",
                 directory, cfg.arch, len(names), len(files), dtype, device)
     return cfg, model

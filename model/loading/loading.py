@@ -12,6 +12,7 @@ from torch import nn
 from model.config import PRESETS, ModelConfig
 from model.loading.generation_config import GenerationConfig, load_generation_config
 from model.loading.hub import resolve_model_dir
+from model.loading.quantize import QuantScheme, quantize_head, swap_linears
 from model.loading.tokenizer import Tokenizer, load_tokenizer
 from model.models.registry import build_model
 
@@ -104,19 +105,26 @@ def resolve_model(model: str, revision: str | None = None) -> str:
 
 
 def load_weights(model: str, dtype: torch.dtype, device: torch.device, revision: str | None = None,
+                 quantize: QuantScheme | None = None, quantize_lm_head: bool = False,
                  ) -> tuple[ModelConfig, nn.Module, Tokenizer, GenerationConfig]:
     """A preset name, a checkpoint directory or an HF hub id (see `resolve_model`) -> config,
-    model in eval mode, tokenizer, generation config."""
+    model in eval mode, tokenizer, generation config. `quantize`: quantize the linear layers
+    (and with `quantize_lm_head` the LM head) as they load; a GPTQ/AWQ checkpoint loads as it is."""
     model = resolve_model(model, revision)
     if model in PRESETS:
         net = build_preset(model).to(device=device, dtype=dtype)
+        if quantize is not None:  # random weights: built in full, then quantized layer by layer
+            swap_linears(net, quantize)
+            if quantize_lm_head:
+                quantize_head(net, quantize)
         cfg = net.cfg
         tokenizer = load_tokenizer(None, cfg.vocab_size)
         generation = GenerationConfig()
     else:
         from model.loading.checkpoint import load_model
 
-        cfg, net = load_model(model, dtype=dtype, device=str(device))
+        cfg, net = load_model(model, dtype=dtype, device=str(device), quantize=quantize,
+                              quantize_lm_head=quantize_lm_head)
         tokenizer = load_tokenizer(model, cfg.vocab_size)
         generation = load_generation_config(model)
     return cfg, net.eval(), tokenizer, generation
