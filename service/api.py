@@ -181,7 +181,9 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
         return {"id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
                 "max_model_len": info.max_model_len,
                 "tool_call_parser": serving.tool_format.name if serving.tool_format else None,
-                "reasoning_parser": "think" if serving.reasoning else None}
+                "reasoning_parser": "think" if serving.reasoning else None,
+                "quantization": info.quantization["method"] if info.quantization else "none",
+                "quantization_config": info.quantization}
 
     @app.get("/v1/models")
     async def models() -> Response:

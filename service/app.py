@@ -61,6 +61,10 @@ class AppArgs(BaseModel):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
     attention_backend: Literal["auto", "gather", "fused", "flex"] = "auto"  # auto: fused on CPU, flex on CUDA
     enforce_eager: bool = False  # True: no CUDA graphs for decode
+    # weight-only, applied at load (a GPTQ/AWQ checkpoint is served as it is quantized)
+    quantization: Literal["none", "int8", "int4"] = "none"
+    quantization_group_size: Literal[32, 64, 128] = 128  # int4: input columns per scale
+    quantize_lm_head: bool = False
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
     prefix_aware_routing: bool = True  # with prefix caching: a shared prefix goes to the replica holding it
@@ -96,7 +100,8 @@ class AppArgs(BaseModel):
         return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                               "kv_cache_bytes", "num_kv_blocks", "max_model_len",
                                               "enable_prefix_caching", "kv_cache_dtype", "attention_backend",
-                                              "enforce_eager")}
+                                              "enforce_eager", "quantization", "quantization_group_size",
+                                              "quantize_lm_head")}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between steps.

@@ -153,6 +153,7 @@ class EngineHost:
 
     def model_info(self) -> ModelInfo:
         runtime = self.engine.runtime
+        scheme = getattr(self.engine, "quant_scheme", None)  # the weights' quantization; None: full precision
         return ModelInfo(
             served_model_name=self.served_model_name,
             max_model_len=runtime.max_model_len,
@@ -162,6 +163,7 @@ class EngineHost:
             tokenizer=self.engine.tokenizer,
             generation_config=self.engine.generation_config,
             attention=self.engine.attention_shape,
+            quantization=scheme.describe() if scheme else None,
         )
 
     def problem(self) -> str | None:

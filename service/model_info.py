@@ -20,3 +20,4 @@ class ModelInfo:
     tokenizer: Any  # model.loading.tokenizer.Tokenizer (and the special tokens); picklable, so the router tokenizes too
     generation_config: GenerationConfig  # sampling defaults for fields a request does not set
     attention: Any = None  # model.inspect.attention_spec.AttentionShape: checks /v1/attention requests
+    quantization: dict[str, Any] | None = None  # the weights' scheme (method, bits, group_size, ...); None: full precision
