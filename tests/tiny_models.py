@@ -171,3 +171,14 @@ def write_tiny_llama(directory: str | Path, arch: str = "llama", seed: int = 0, 
     if with_tokenizer:
         build_tokenizer(model.config.vocab_size).save(str(directory / "tokenizer.json"))
     return directory
+
+
+# ---- mixture of experts (build_tiny_llama / write_tiny_llama build these too) -------------
+
+MOE_FAMILY = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+LLAMA_FAMILY.update(MOE_FAMILY)

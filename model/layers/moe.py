@@ -3,7 +3,8 @@
 A router scores every expert per token and keeps the top k (each family's exact order of
 softmax, top-k and renormalisation: `route`). The token -> expert assignments are then sorted
 by expert, so each expert runs one matmul over all of its tokens; the weighted outputs are
-added back to their tokens with one `index_add_`. The loop is over experts, never over tokens.
+scattered back to (token, slot) order and summed over each token's k slots. The loop is over
+experts, never over tokens.
 
 Expert weights are stacked, one tensor per projection for all experts, in the (out, in)
 layout of `nn.Linear`: `gate_up_proj` (E, 2F, D) with the gate's rows first and the up
@@ -73,23 +74,24 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights and ids (T, k) -> sum over each token's k experts of weight * expert(x)."""
-        k = ids.shape[1]
+        t, k = ids.shape
         flat = ids.reshape(-1)  # (T*k,) assignment a = token * k + slot
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        tokens = order // k  # (T*k,) the token of each sorted assignment
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
-        xs = x[tokens]  # (T*k, D)
+        xs = x[order // k]  # (T*k, D): each sorted assignment's token
         w = weights.reshape(-1)[order].unsqueeze(-1)  # (T*k, 1)
-        out = torch.zeros_like(x)
+        ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = slice(start, start + n)
-            y = self._expert(e, xs[rows]) * w[rows]  # (n, D); float32 when the weights are
-            out.index_add_(0, tokens[rows], y.to(out.dtype))
-            start += n
-        return out
+            if n:
+                rows = slice(start, start + n)
+                ys[rows] = self._expert(e, xs[rows]) * w[rows]  # float32 when the weights are (Mixtral)
+                start += n
+        # Back to (token, slot) order and summed over the slots: one deterministic sum per token,
+        # where index_add_ would add in an order CUDA's atomics do not fix.
+        out = torch.empty_like(ys)
+        out[order] = ys
+        return out.view(t, k, -1).sum(dim=1)  # (T, D)
 
 
 class SparseMoE(nn.Module):

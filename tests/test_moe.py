@@ -1,0 +1,197 @@
+"""Mixture-of-experts checkpoints saved by HF transformers give HF's logits and greedy
+continuations: alone, inside a batch of 16 other requests, under forced preemption and from
+the prefix cache.
+
+Tiny random Mixtral (per-expert `w1/w3/w2`), Qwen2-MoE (shared expert, `decoder_sparse_step`,
+saved in bf16 and sharded), Qwen3-MoE (`mlp_only_layers`, `norm_topk_prob`, q/k norms) and
+gpt-oss (attention sinks, alternating sliding/full layers with a window shorter than the
+prompt, YaRN, biased experts and router, its clamped SwiGLU). Below them: the MoE block
+against a per-token loop, and the MXFP4 dequantization against transformers' own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from model import LLM
+from model.config import EngineConfig, MoEConfig
+from model.layers.moe import Experts, route
+from model.loading.checkpoint import load_model
+from test_llama_family import _greedy, _others
+from tiny_models import full_logits, hf_greedy, write_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+LOGITS_ATOL = 1e-4  # fp32
+GREEDY_TOKENS = 32
+PROMPT_LEN = 20  # two full blocks of 8: the prefix cache has something to hit
+# id -> (arch, save dtype, sharded, config overrides)
+CASES = {
+    "mixtral-4experts-top2": ("mixtral", None, False, {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    "qwen2moe-shared-expert-sparse-step2-bf16-sharded": ("qwen2_moe", torch.bfloat16, True, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2, "norm_topk_prob": False}),
+    "qwen3moe-mlp-only-layers-norm-topk": ("qwen3_moe", None, False, {
+        "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "mlp_only_layers": [1], "norm_topk_prob": True, "head_dim": 32}),
+}
+HF_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+DENSE_LAYERS = {"mixtral": (), "qwen2_moe": (0,), "qwen3_moe": (1,), "gpt_oss": ()}
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, tmp_path_factory) -> tuple[str, Path, "transformers.PreTrainedModel", list[int], list[int]]:
+    """The arch, a saved checkpoint, HF's model loaded back from it in fp32, a prompt and HF's
+    greedy continuation of it."""
+    arch, dtype, sharded, overrides = CASES[request.param]
+    directory = write_tiny_llama(tmp_path_factory.mktemp(arch), arch, seed=len(request.param), dtype=dtype,
+                                 max_shard_size="60KB" if sharded else None, **overrides)
+    if sharded:
+        assert len(list(directory.glob("model-*.safetensors"))) > 1
+    hf = getattr(transformers, HF_CLASSES[arch]).from_pretrained(directory, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    prompt = torch.randint(0, hf.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = hf_greedy(hf, prompt, GREEDY_TOKENS)
+    return arch, directory, hf, prompt, expected
+
+
+def test_config_is_read_from_config_json(case) -> None:
+    arch, directory, hf, _, _ = case
+    cfg, model = load_model(directory)
+    c = hf.config
+    experts = c.num_local_experts if hasattr(c, "num_local_experts") else c.num_experts
+    assert (cfg.arch, cfg.n_layers, cfg.moe.num_experts, cfg.moe.top_k) == (
+        "moe", c.num_hidden_layers, experts, c.num_experts_per_tok)
+    assert cfg.moe.dense_layers == DENSE_LAYERS[arch]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_logits_match_hf(case) -> None:
+    _, directory, hf, _, _ = case
+    _, model = load_model(directory)
+    tokens = torch.randint(0, hf.config.vocab_size, (50,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens[None]).logits[0]  # (T, vocab)
+    torch.testing.assert_close(full_logits(model, tokens, block_size=8), expected, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_greedy_continuation_matches_hf_alone_then_in_a_batch_of_16_from_the_prefix_cache(case) -> None:
+    _, directory, hf, prompt, expected = case
+    llm = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(block_size=8))
+    assert llm.generate([prompt], _greedy())[0].token_ids == expected
+    hits = llm.engine.stats().prefix_cache_hits
+    prompts, params = _others(16, hf.config.vocab_size, seed=3)
+    outs = llm.generate(prompts[:8] + [prompt] + prompts[8:], params[:8] + [_greedy()] + params[8:])
+    assert llm.engine.stats().prefix_cache_hits >= hits + 2  # the prompt's two full blocks, computed alone
+    assert outs[8].token_ids == expected
+
+
+def test_greedy_continuation_matches_hf_under_preemption(case) -> None:
+    _, directory, hf, prompt, expected = case
+    # 12 blocks of 8 tokens cannot hold 9 sequences of up to 64 tokens: preemption is forced.
+    llm = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(num_kv_blocks=12, block_size=8))
+    prompts, params = _others(8, hf.config.vocab_size, seed=4)
+    outs = llm.generate(prompts[:4] + [prompt] + prompts[4:], params[:4] + [_greedy()] + params[4:])
+    assert llm.engine.stats().num_preemptions_total > 0
+    assert outs[4].token_ids == expected
+
+
+def test_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path: Path) -> None:
+    """transformers' in-memory layout (`mlp.experts.gate_up_proj` (E, 2F, D), `down_proj`), saved
+    as it is, loads to the same model as save_pretrained's per-expert tensors."""
+    arch, _, _, overrides = CASES["mixtral-4experts-top2"]
+    per_expert = write_tiny_llama(tmp_path / "per_expert", arch, with_tokenizer=False, **overrides)
+    hf = transformers.MixtralForCausalLM.from_pretrained(per_expert, dtype=torch.float32)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    (fused / "config.json").write_text((per_expert / "config.json").read_text())
+    tokens = torch.arange(30) % hf.config.vocab_size
+    got = full_logits(load_model(fused)[1], tokens, block_size=8)
+    assert torch.equal(got, full_logits(load_model(per_expert)[1], tokens, block_size=8))
+
+
+# ---- the MoE block against a per-token loop ------------------------------------------
+
+MOE_VARIANTS = {
+    "mixtral": MoEConfig(num_experts=6, top_k=2, d_expert=12, fp32_weights=True),
+    "qwen-no-renorm": MoEConfig(num_experts=6, top_k=3, d_expert=12, norm_topk_prob=False),
+    "gpt-oss": MoEConfig(num_experts=6, top_k=4, d_expert=12, routing="topk_softmax", router_bias=True,
+                         expert_bias=True, activation="gpt_oss", swiglu_limit=0.5),
+}
+
+
+def _naive(x: torch.Tensor, logits: torch.Tensor, experts: Experts, moe: MoEConfig) -> torch.Tensor:
+    """Each token, each of its top-k experts, written out from the definitions."""
+    out = torch.zeros_like(x)
+    f = moe.d_expert
+    for t in range(x.shape[0]):
+        if moe.routing == "topk_softmax":
+            top, ids = logits[t].topk(moe.top_k)
+            weights = top.softmax(-1)
+        else:
+            probs = logits[t].softmax(-1)
+            weights, ids = probs.topk(moe.top_k)
+            weights = weights / weights.sum() if moe.norm_topk_prob else weights
+        for w, e in zip(weights, ids.tolist()):
+            h = experts.gate_up_proj[e] @ x[t] + (experts.gate_up_proj_bias[e] if moe.expert_bias else 0)
+            gate, up = h[:f], h[f:]
+            if moe.activation == "silu":
+                act = gate * torch.sigmoid(gate) * up
+            else:
+                gate, up = gate.clamp(max=moe.swiglu_limit), up.clamp(-moe.swiglu_limit, moe.swiglu_limit)
+                act = (up + 1) * gate * torch.sigmoid(moe.swiglu_alpha * gate)
+            y = experts.down_proj[e] @ act + (experts.down_proj_bias[e] if moe.expert_bias else 0)
+            out[t] += w * y
+    return out
+
+
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+@torch.no_grad()
+def test_moe_block_equals_a_per_token_loop(variant: str) -> None:
+    moe = MOE_VARIANTS[variant]
+    torch.manual_seed(0)
+    experts = Experts(16, moe)
+    x = torch.randn(37, 16)
+    logits = torch.randn(37, moe.num_experts)
+    weights, ids = route(logits, moe)
+    assert ids.shape == (37, moe.top_k) and len(set(ids[0].tolist())) == moe.top_k
+    if moe.norm_topk_prob or moe.routing == "topk_softmax":
+        torch.testing.assert_close(weights.sum(-1), torch.ones(37))
+    else:
+        assert (weights.sum(-1) < 1).all()
+    torch.testing.assert_close(experts(x, weights, ids), _naive(x, logits, experts, moe), atol=1e-5, rtol=1e-5)
+
+
+# ---- MXFP4 ---------------------------------------------------------------------------
+
+
+def test_mxfp4_dequantization_equals_transformers() -> None:
+    """A packed tensor written from the documented layout (blocks (E, R, G, 16) uint8 with two
+    FP4 codes per byte, scales (E, R, G) uint8 exponents biased by 127) dequantizes to what
+    transformers' gpt-oss loader computes (which then transposes to (E, C, R))."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from model.models.expert_weights import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(117, 137, (3, 10, 4), dtype=torch.uint8, generator=g)
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = dequantize_mxfp4(blocks, scales, dtype)  # (E, R, 128)
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # (E, 128, R)
+        assert ours.dtype == dtype and ours.shape == (3, 10, 128)
+        assert torch.equal(ours, theirs.transpose(1, 2))
+    # One value from the definition: byte 0x2F is codes 0xF (low, -6.0) then 0x2 (high, +1.0).
+    one = dequantize_mxfp4(torch.tensor([[0x2F] + [0] * 15], dtype=torch.uint8), torch.tensor([129], dtype=torch.uint8),
+                           torch.float32)
+    assert one[:2].tolist() == [-24.0, 4.0] and not one[2:].any()
+
