@@ -182,3 +182,50 @@ MOE_FAMILY = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 LLAMA_FAMILY.update(MOE_FAMILY)
+
+
+# ---- engine parity runs shared by the architecture tests (issue 25) -----------------------
+
+def _other_requests(n: int, vocab: int, seed: int):
+    """n requests of up to 40 + 24 tokens, greedy and sampled."""
+    import random
+
+    from model import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99),
+                             ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def engine_greedy_runs(directory: str | Path, prompt: list[int], max_tokens: int, vocab: int,
+                       block_size: int = 8) -> dict[str, list[int]]:
+    """Our greedy continuation of `prompt` (ignore_eos), fp32 on the CPU, four ways:
+    `alone`; `prefix_cache` (the same prompt again, its full blocks found in the prefix cache);
+    `batch` (inside 16 other requests, with prompts chunked over steps of 48 tokens);
+    `preemption` (with 8 others in a pool too small for all, so some are preempted).
+    Asserts that the cache was hit and that preemption happened."""
+    from model import LLM, SamplingParams
+    from model.config import EngineConfig
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    runs: dict[str, list[int]] = {}
+    llm = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(block_size=block_size))
+    runs["alone"] = llm.generate([prompt], greedy)[0].token_ids
+    hits = llm.engine.stats().prefix_cache_hits
+    runs["prefix_cache"] = llm.generate([prompt], greedy)[0].token_ids
+    assert llm.engine.stats().prefix_cache_hits - hits >= (len(prompt) - 1) // block_size * block_size
+    others, params = _other_requests(16, vocab, seed=3)
+    llm = LLM(str(directory), device="cpu", dtype="float32",
+              engine_config=EngineConfig(block_size=block_size, max_num_batched_tokens=48))
+    outs = llm.generate(others[:8] + [prompt] + others[8:], params[:8] + [greedy] + params[8:])
+    runs["batch"] = outs[8].token_ids
+    own = math.ceil((len(prompt) + max_tokens) / block_size)
+    llm = LLM(str(directory), device="cpu", dtype="float32",
+              engine_config=EngineConfig(num_kv_blocks=own + 3, block_size=block_size))
+    others, params = _other_requests(8, vocab, seed=4)
+    outs = llm.generate(others[:4] + [prompt] + others[4:], params[:4] + [greedy] + params[4:])
+    assert llm.engine.stats().num_preemptions_total > 0
+    runs["preemption"] = outs[4].token_ids
+    return runs

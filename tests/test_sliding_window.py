@@ -1,0 +1,138 @@
+"""Sliding-window attention against HF transformers: a Mistral checkpoint with a 64-token window
+over a 200-token prompt gives HF's logits and greedy continuation (alone, from the prefix cache,
+in a batch, under preemption); the fused kernels and the gather path agree with windows; Qwen2's
+`max_window_layers` mixes windowed and full layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.layers import paged_attention as pa
+from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.loading.checkpoint import load_model
+from tiny_models import engine_greedy_runs, full_logits, hf_greedy, torch_threads, write_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+LOGITS_ATOL = 1e-4
+WINDOW, PROMPT, GREEDY = 64, 200, 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: one torch thread is faster than two (and far faster on a loaded machine)."""
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A Mistral checkpoint with a 64-token window, HF's model read back from it, a prompt of 200."""
+    directory = write_tiny_llama(tmp_path_factory.mktemp("mistral-window"), "mistral", seed=7,
+                                 sliding_window=WINDOW, max_position_embeddings=256, with_tokenizer=False)
+    hf = transformers.MistralForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                         attn_implementation="eager").eval()
+    prompt = torch.randint(0, 301, (PROMPT,), generator=torch.Generator().manual_seed(2)).tolist()
+    return directory, hf, prompt
+
+
+def test_mistral_window_logits_match_hf(mistral) -> None:
+    directory, hf, prompt = mistral
+    cfg, model = load_model(directory)
+    assert [cfg.layer_window(i) for i in range(cfg.n_layers)] == [WINDOW] * cfg.n_layers
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    got = full_logits(model, prompt, block_size=8)
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+    # The window matters here: positions past it differ from full attention.
+    full = load_model(directory)[1]
+    for layer in full.layers:
+        layer.self_attn.attn.window = None
+    assert (full_logits(full, prompt, block_size=8)[WINDOW:] - expected[WINDOW:]).abs().max() > 1e-2
+
+
+def test_mistral_window_greedy_matches_hf_alone_batched_preempted_and_cached(mistral) -> None:
+    directory, hf, prompt = mistral
+    expected = hf_greedy(hf, prompt, GREEDY)
+    runs = engine_greedy_runs(directory, prompt, GREEDY, vocab=301)
+    assert runs == dict.fromkeys(runs, expected)
+
+
+def test_qwen2_max_window_layers_mix_windowed_and_full_layers(tmp_path) -> None:
+    """Qwen2 with use_sliding_window: layers from max_window_layers on have the window."""
+    directory = write_tiny_llama(tmp_path, "qwen2", seed=3, use_sliding_window=True, sliding_window=16,
+                                 max_window_layers=1, max_position_embeddings=128, with_tokenizer=False)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+    cfg, model = load_model(directory)
+    assert [cfg.layer_window(i) for i in range(cfg.n_layers)] == [None, 16]
+    tokens = torch.randint(0, 301, (60,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(tokens[None]).logits[0]
+    torch.testing.assert_close(full_logits(model, tokens, block_size=8), expected, atol=LOGITS_ATOL, rtol=0)
+
+
+# ---- the fused kernels against the gather path, with windows ----------------------------
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 33, 500])
+def test_fused_kernels_equal_the_gather_path_with_windows(window) -> None:
+    if not pa.kernel_available():
+        pytest.skip("the fused kernel could not be built here")
+    g = torch.Generator().manual_seed(0)
+    nb, bs, hkv, d, hq = 40, 4, 2, 16, 6
+    kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:12] for _ in range(4)])  # scattered blocks
+    ctx = torch.tensor([1, 6, 29, 48])
+    q = torch.randn(4, hq, d, generator=g)
+    torch.testing.assert_close(pa.paged_decode_attention(q, kc, vc, tables, ctx, 0.3, window),
+                               pa.gather_decode_attention(q, kc, vc, tables, ctx, 0.3, window), atol=1e-5, rtol=0)
+    q = torch.randn(9, hq, d, generator=g)
+    torch.testing.assert_close(pa.paged_prefill_attention(q, kc, vc, tables[2], 41, 0.3, window),
+                               pa.gather_prefill_attention(q, kc, vc, tables[2], 41, 0.3, window), atol=1e-5, rtol=0)
+
+
+def test_windowed_gather_reference_is_a_band_of_plain_attention() -> None:
+    """The reference itself: a window of w keeps exactly the last w keys (HF: i - w < j <= i)."""
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(8, 4, 1, 8, generator=g), torch.randn(8, 4, 1, 8, generator=g)
+    table, q = torch.arange(8)[None], torch.randn(1, 2, 8, generator=g)
+    n, w = 19, 5
+    ref = torch.softmax(torch.einsum("hd,nd->hn", q[0], kc.flatten(0, 1)[n - w:n, 0]) * 0.5, -1)
+    expected = ref @ vc.flatten(0, 1)[n - w:n, 0]
+    got = pa.gather_decode_attention(q, kc, vc, table, torch.tensor([n]), 0.5, w)[0]
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_model_decode_through_the_kernel_equals_the_gather_path_with_windows(mistral) -> None:
+    """The whole model's decode step (every layer windowed, context past the window) with the
+    runner's fused kernels in the metadata and without."""
+    if not pa.kernel_available():
+        pytest.skip("the fused kernel could not be built here")
+    directory, _, prompt = mistral
+    cfg, model = load_model(directory)
+    bs, n = 8, 150
+    tokens = torch.tensor(prompt[: n + 1])
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:20]
+
+    def decode_logits(fused: bool) -> torch.Tensor:
+        cache = KVCache(cfg.n_layers, 40, bs, cfg.kv_heads, cfg.d_head, torch.float32, "cpu")
+        pos = torch.arange(n)
+        chunks = [(0, 100), (100, 10), (110, 40)]  # a fresh prefill, a short and a long chunk after a past
+        for start, length in chunks:
+            p = pos[start:start + length]
+            meta = AttnMetadata(slot_mapping=table[p // bs] * bs + p % bs,
+                                prefills=[PrefillChunk(0, length, start + length, table)],
+                                prefill_kernel=pa.paged_prefill_attention if fused else None)
+            model(tokens[start:start + length], p, meta, cache)
+        meta = AttnMetadata(slot_mapping=(table[n // bs] * bs + n % bs).view(1), num_decode=1,
+                            decode_block_tables=table[None], decode_context_lens=torch.tensor([n + 1]),
+                            decode_max_context=n + 1, decode_kernel=pa.paged_decode_attention if fused else None)
+        return model.compute_logits(model(tokens[n:], torch.tensor([n]), meta, cache))
+
+    torch.testing.assert_close(decode_logits(True), decode_logits(False), atol=1e-5, rtol=0)
+    with_full = full_logits(model, tokens, block_size=bs)[-1:]
+    torch.testing.assert_close(decode_logits(False), with_full, atol=1e-5, rtol=0)
