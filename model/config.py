@@ -163,6 +163,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # RoPE rotates the first d_head * factor dims of each head
     gemma: GemmaOptions | None = None  # arch "gemma2" / "gemma3"
     moe: MoEConfig | None = None  # arch "moe": the experts that replace the dense MLP
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from our own config.json

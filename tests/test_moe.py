@@ -11,6 +11,7 @@ against a per-token loop, and the MXFP4 dequantization against transformers' own
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,11 @@ transformers = pytest.importorskip("transformers")
 LOGITS_ATOL = 1e-4  # fp32
 GREEDY_TOKENS = 32
 PROMPT_LEN = 20  # two full blocks of 8: the prefix cache has something to hit
+# Alternating sliding (8 positions, shorter than the 20-token prompt) and full layers, YaRN.
+GPT_OSS = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "head_dim": 16,
+           "sliding_window": 8, "rope_parameters": {
+               "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}
 # id -> (arch, save dtype, sharded, config overrides)
 CASES = {
     "mixtral-4experts-top2": ("mixtral", None, False, {
@@ -39,6 +45,7 @@ CASES = {
     "qwen3moe-mlp-only-layers-norm-topk": ("qwen3_moe", None, False, {
         "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
         "mlp_only_layers": [1], "norm_topk_prob": True, "head_dim": 32}),
+    "gptoss-sinks-window8-yarn": ("gpt_oss", None, False, GPT_OSS),
 }
 HF_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -195,3 +202,38 @@ def test_mxfp4_dequantization_equals_transformers() -> None:
                            torch.float32)
     assert one[:2].tolist() == [-24.0, 4.0] and not one[2:].any()
 
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_dequantized_at_load(tmp_path: Path) -> None:
+    """gpt-oss as openai ships it: each layer's expert weights as MXFP4 `*_blocks` + `*_scales`
+    (here random codes and exponents), everything else in bf16/fp32. Our model loaded from it
+    gives the logits of HF's model holding transformers' dequantization of the same bytes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    directory = write_tiny_llama(tmp_path / "bf16", "gpt_oss", with_tokenizer=False, **GPT_OSS)
+    hf = transformers.GptOssForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(7)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            experts, prefix = layer.mlp.experts, f"model.layers.{i}.mlp.experts"
+            for proj in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, proj)  # HF's (E, in, out)
+                e, cols, rows = param.shape  # packed as (E, out, in / 32, 16)
+                blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+                scales = torch.randint(120, 125, (e, rows, cols // 32), dtype=torch.uint8, generator=g)
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                del state[f"{prefix}.{proj}"]
+                state[f"{prefix}.{proj}_blocks"], state[f"{prefix}.{proj}_scales"] = blocks, scales
+    packed = tmp_path / "mxfp4"
+    packed.mkdir()
+    save_file(state, str(packed / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((directory / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (packed / "config.json").write_text(json.dumps(raw))
+    tokens = torch.randint(0, hf.config.vocab_size, (30,), generator=g)
+    with torch.no_grad():
+        expected = hf(tokens[None]).logits[0]
+    _, model = load_model(packed)
+    torch.testing.assert_close(full_logits(model, tokens, block_size=8), expected, atol=LOGITS_ATOL, rtol=0)

@@ -95,16 +95,13 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router + experts (+ Qwen2-MoE's shared expert behind its sigmoid gate): x (T, D) -> (T, D).
+    """Router (`gate`) + experts (+ Qwen2-MoE's shared expert behind its sigmoid gate): x (T, D) -> (T, D)."""
 
-    The router is `gate` (Mixtral, Qwen) or `router` (gpt-oss) after the checkpoints' names."""
-
-    def __init__(self, cfg: ModelConfig, router_name: str = "gate") -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         moe = cfg.moe
         assert moe is not None, "SparseMoE needs cfg.moe"
-        self.router_name = router_name
-        self.add_module(router_name, nn.Linear(cfg.d_model, moe.num_experts, bias=moe.router_bias))
+        self.gate = nn.Linear(cfg.d_model, moe.num_experts, bias=moe.router_bias)
         self.experts = Experts(cfg.d_model, moe)
         if moe.shared_expert:
             self.shared_expert = GatedMLP(cfg.replace(d_ff=moe.shared_expert, mlp_bias=False))
@@ -112,7 +109,7 @@ class SparseMoE(nn.Module):
         self.moe = moe
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = getattr(self, self.router_name)(x)  # (T, E)
+        logits = self.gate(x)  # (T, E)
         weights, ids = route(logits, self.moe)
         out = self.experts(x, weights, ids)
         if self.moe.shared_expert:

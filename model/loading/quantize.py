@@ -81,6 +81,8 @@ def checkpoint_scheme(raw: dict[str, Any], where: str) -> QuantScheme | None:
         from model.loading.awq import awq_scheme
 
         return awq_scheme(qc, where)
+    if method == "mxfp4":  # gpt-oss's experts: dequantized as they are read (model.models.expert_weights)
+        return None
     raise CheckpointError(f"quantization_config.quant_method {method!r} in {where} is not supported: "
                           "supported are gptq and awq (or quantization=int8|int4 on a float checkpoint)")
 

@@ -45,6 +45,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
             self.k_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.attention_sinks else None  # gpt-oss
         self.attn = PagedAttention(layer, cfg.d_head, DotScore(cfg.d_head), window=cfg.layer_window(layer))
 
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
@@ -56,7 +57,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
-        out = self.attn(q, k, v, meta, cache)  # (T, Hq, d)
+        out = self.attn(q, k, v, meta, cache, sinks=self.sinks)  # (T, Hq, d)
         return self.o_proj(out.reshape(t, self.n_heads * self.d_head))
 
 

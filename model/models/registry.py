@@ -14,6 +14,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.models.gpt2 import GPT2
+from model.models.gpt_oss import GPT_OSS
 from model.models.llama import LLAMA_FAMILY, LlamaForCausalLM
 from model.models.mixtral import MIXTRAL, MoEForCausalLM
 from model.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "MixtralForCausalLM": MIXTRAL,
     "Qwen2MoeForCausalLM": QWEN2_MOE,
     "Qwen3MoeForCausalLM": QWEN3_MOE,
+    "GptOssForCausalLM": GPT_OSS,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
