@@ -194,6 +194,8 @@ class DecodeGraphs:
             logger.info("decode runs on static padded buffers; CUDA graph capture skipped on %s", dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttnMetadata]] = {}
         self._pool = None
+        self.num_steps = 0  # decode steps run here, and of their rows the padding ones
+        self.num_padding_rows = 0
         self.num_replays = 0
 
     def takes(self, meta: AttnMetadata) -> bool:
@@ -208,6 +210,8 @@ class DecodeGraphs:
         """The decode step of `meta` through the static buffers -> hidden (B, d_model)."""
         b, bucket = meta.num_decode, self.bucket(meta.num_decode)
         self._fill(tokens, positions, meta, bucket)
+        self.num_steps += 1
+        self.num_padding_rows += bucket - b
         if not self.capture:  # the CPU: eager on the padded buffers, block tables as wide as this step's
             hidden = self.runner.model(self.tokens[:bucket], self.positions[:bucket],
                                        self._meta(bucket, meta.decode_block_tables.shape[1], meta.decode_max_context),
@@ -220,6 +224,8 @@ class DecodeGraphs:
                 logger.warning("CUDA graph capture failed (%s: %s); decoding eagerly on static buffers",
                                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 self.capture = False
+                self.num_steps -= 1
+                self.num_padding_rows -= bucket - b
                 return self.run(tokens, positions, meta)
         graph, out, _ = self._graphs[bucket]
         graph.replay()
