@@ -154,6 +154,18 @@ def _rope(raw: dict[str, Any], params: dict[str, Any] | None = None) -> tuple[fl
     return theta, scaling
 
 
+def context_length(raw: dict[str, Any], scaling: RopeScaling | None) -> int:
+    """The longest context served: max_position_embeddings, except for the scalings that extend
+    it (as vLLM derives it): `dynamic` NTK's max_position_embeddings * factor, and YaRN's
+    original_max_position_embeddings * factor when that is longer."""
+    max_position = int(raw.get("max_position_embeddings", 2048))
+    if scaling is not None and scaling.kind == "dynamic":
+        return int(max_position * scaling.factor)
+    if scaling is not None and scaling.kind == "yarn":
+        return max(max_position, int(scaling.original_max_position * scaling.factor))
+    return max_position
+
+
 def partial_rotary_factor(raw: dict[str, Any]) -> float:
     """The fraction of each head's dims that RoPE rotates (Phi-3/4's `partial_rotary_factor`)."""
     params = rope_params(raw)
@@ -197,7 +209,7 @@ def _parser(qkv_bias: bool | None, qk_norm: bool) -> Callable[[dict[str, Any], b
         return ModelConfig(
             vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_heads=heads,
             n_layers=raw["num_hidden_layers"], d_ff=raw["intermediate_size"],
-            max_position=raw.get("max_position_embeddings", 2048), arch="llama",
+            max_position=context_length(raw, scaling), arch="llama",
             layer_norm_eps=raw.get("rms_norm_eps", 1e-6),
             tokenizer="hf" if has_tokenizer else "byte", n_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim"), rope_theta=theta, rope_scaling=scaling,
