@@ -49,7 +49,8 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory) -> Path:
     """Tiny Qwen2 (q/k/v biases, tied head)."""
-    return write_tiny_llama(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=6, tie_word_embeddings=True)
+    return write_tiny_llama(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=6, with_tokenizer=False,
+                            tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +125,28 @@ def test_on_the_fly_logits_match_the_dequantized_reference(case, llama_dir, tran
         assert rel_err(full_logits(model, tokens[:t]), full_logits(ref, tokens[:t])) < RTOL
 
 
-def test_the_lm_head_is_quantized_only_when_asked(llama_dir) -> None:
-    _, model = load_model(llama_dir, quantize=on_the_fly_scheme("int8", 128), quantize_lm_head=True)
-    assert model.lm_head is None and isinstance(model.quantized_head, QuantizedLinear)
-    floats = float_weights(llama_dir)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_lm_head_is_quantized_when_asked(family, llama_dir, qwen2_dir) -> None:
+    """Untied (Llama): the head alone. Tied (Qwen2): one quantized matrix is both the head and
+    the embedding table."""
+    directory = llama_dir if family == "llama" else qwen2_dir
+    _, model = load_model(directory, quantize=on_the_fly_scheme("int8", 128), quantize_lm_head=True)
+    assert model.lm_head is None
+    floats = float_weights(directory)
     refs = {f"model.{n}": int8_reference(floats[f"model.{n}.weight"])[1]
-            for n, m in model.named_modules() if isinstance(m, QuantizedLinear) and n != "quantized_head"}
-    ref = reference_model(llama_dir, refs, "model.")
+            for n, m in model.named_modules() if isinstance(m, QuantizedLinear) and n.startswith("layers.")}
+    ref = reference_model(directory, refs, "model.")
     with torch.no_grad():
-        ref.lm_head.weight.copy_(int8_reference(floats["lm_head.weight"])[1])
+        if family == "llama":
+            assert isinstance(model.quantized_head, QuantizedLinear)
+            ref.lm_head.weight.copy_(int8_reference(floats["lm_head.weight"])[1])
+        else:
+            assert not any(isinstance(m, torch.nn.Embedding) for m in model.modules())
+            ref.embed_tokens.weight.copy_(int8_reference(floats["model.embed_tokens.weight"])[1])
     tokens = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
     assert rel_err(full_logits(model, tokens), full_logits(ref, tokens)) < RTOL
+    _, plain = load_model(directory, quantize=on_the_fly_scheme("int8", 128))
+    assert not any(isinstance(m, QuantizedLinear) and "." not in n for n, m in plain.named_modules())
 
 
 # ---- the engine: alone, in a batch of 16, under preemption ----------------------------------
@@ -145,8 +157,8 @@ def _greedy() -> SamplingParams:
 
 def _others(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99),
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 16), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99),
                              ignore_eos=True) for _ in range(n)]
     return prompts, params
 

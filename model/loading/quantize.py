@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.layers.linear.quantized import QuantizedLinear, WeightSink
+from model.layers.linear.quantized import QuantizedEmbedding, QuantizedLinear, WeightSink
 from model.models.weight_map import CheckpointError, TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -159,21 +159,24 @@ def _load_with(scheme: QuantScheme, base: str) -> Callable[[Any, WeightSink], No
 
 
 def quantize_head(model: nn.Module, scheme: QuantScheme) -> None:
-    """Quantize the weight `compute_logits` reads (the LM head, or the tied embedding) into a
-    separate head layer that `compute_logits` calls; a separate untied head is dropped."""
-    head_weight = getattr(model, "lm_head", None)
-    weight = head_weight.weight if isinstance(head_weight, nn.Linear) else None
-    if weight is None:
-        embed = getattr(model, "embed_tokens", None) or getattr(model, "wte", None)
-        weight = embed.weight
+    """Quantize the matrix `compute_logits` reads into a head layer that `compute_logits` calls.
+    A separate (untied) head is replaced; a tied head's token embedding becomes a lookup into
+    the same quantized matrix (the float table is dropped: one quantized copy serves both)."""
+    untied = getattr(model, "lm_head", None)
+    embed_name = "embed_tokens" if hasattr(model, "embed_tokens") else "wte"
+    embed = getattr(model, embed_name)
+    weight = untied.weight if isinstance(untied, nn.Linear) else embed.weight
     n, k = weight.shape
     layer = QuantizedLinear(k, n, scheme.bits, _layer_group(scheme, k, "the LM head"), False,
                             has_offsets=scheme.method != "int8", device=weight.device)
     layer.quantize_from(weight)
-    if isinstance(head_weight, nn.Linear):
+    if isinstance(untied, nn.Linear):
         model.lm_head = None
-    model.quantized_head = layer
-    # The model classes compute logits from the head's weight matrix; this head has none.
+        model.quantized_head = layer
+    else:
+        setattr(model, embed_name, QuantizedEmbedding(layer, weight.dtype))
+    # The model classes compute logits from the head's weight matrix, which a quantized head
+    # does not have: its own forward is the logits.
     object.__setattr__(model, "compute_logits", layer)
 
 

@@ -137,13 +137,23 @@ class QuantizedLinear(nn.Module):
 
     def _decode_rows(self, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows r0:r1 of W in group order, (r1 - r0, K) in `dtype`."""
-        q = self.qweight[r0:r1]
+        return self._decode(slice(r0, r1), dtype)
+
+    def _decode(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `rows` (a slice or an index tensor) of W in group order, (n, K) in `dtype`."""
+        q = self.qweight[rows]
         q = (q if self.bits == 8 else unpack_int4(q)).to(dtype)
-        n, groups = r1 - r0, self.in_features // self.group_size
-        w = q.view(n, groups, self.group_size) * self.scales[r0:r1, :, None].to(dtype)
+        n, groups = q.shape[0], self.in_features // self.group_size
+        w = q.view(n, groups, self.group_size) * self.scales[rows][:, :, None].to(dtype)
         if self.offsets is not None:
-            w = w + self.offsets[r0:r1, :, None].to(dtype)
+            w = w + self.offsets[rows][:, :, None].to(dtype)
         return w.view(n, self.in_features)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` (any shape) of W, dequantized: (*index.shape, K) (an embedding lookup)."""
+        if self.perm is not None:
+            raise ValueError("row lookup of an act-order layer is not supported")
+        return self._decode(index.reshape(-1), dtype).view(*index.shape, self.in_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """W (N, K) float32 in the input's own column order."""
@@ -201,6 +211,19 @@ class QuantizedLinear(nn.Module):
             self._tinygemm = (packed, sz.to(torch.bfloat16).contiguous())
         packed, sz = self._tinygemm
         return torch.ops.aten._weight_int4pack_mm(x2.contiguous(), packed, self.group_size, sz)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding read from a quantized (vocab, d_model) matrix: the tied LM head's, so
+    the head and the lookup share one quantized copy."""
+
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(tokens, self.dtype)
 
 
 class WeightSink:
