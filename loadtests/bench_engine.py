@@ -15,6 +15,12 @@ tied head, saved in bf16 by loadtests/random_checkpoint.py):
 
     .venv/bin/python loadtests/bench_engine.py [--requests 64] [--out results/bench_engine.json]
     .venv/bin/python loadtests/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
+    .venv/bin/python loadtests/bench_engine.py --model qwen3-moe-1b-shape --requests 16 --no-extras
+
+A mixture-of-experts shape (`qwen3-moe-1b-shape`: 1.18B parameters, 64 experts of 256, top-8,
+written by transformers in bf16, loadtests/moe_load_memory.py) adds a torch.profiler breakdown
+of a batch-16 decode step of the MoE layer (loadtests/profile_moe.py); the bandwidth and
+compute fractions count the weights a token uses (its top-k experts), not all of them.
 
 `--no-extras` runs only the workload (engine and HF) and batch-1 decode.
 """
@@ -39,7 +45,10 @@ from model.config import EngineConfig  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset, resolve_device  # noqa: E402
 from profile_step import profile_decode, set_backend  # noqa: E402
-from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402  (this script's folder)
+from moe_load_memory import SHAPES as MOE_SHAPES  # noqa: E402  (this script's folder)
+from moe_load_memory import write_checkpoint as write_moe_checkpoint  # noqa: E402
+from profile_moe import print_moe_profile, profile_moe_decode  # noqa: E402
+from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
 
 PRESET = "gpt2-small-random"
 
@@ -138,6 +147,8 @@ def checkpoint(model: str, directory: str) -> None:
     Llama-family checkpoint of a real model's shape (bf16 on disk)."""
     if model == PRESET:
         save_model(build_preset(PRESET), directory)
+    elif model in MOE_SHAPES:
+        write_moe_checkpoint(Path(directory), model)
     else:
         write_random_checkpoint(directory, model, torch.bfloat16)
 
@@ -147,7 +158,16 @@ def weight_bytes_read(net: torch.nn.Module, dtype: torch.dtype) -> int:
     (learned positions; the token embedding when the LM head is a separate matrix)."""
     gathered = {"wpe.weight"} | ({"embed_tokens.weight"} if getattr(net, "lm_head", None) is not None else set())
     n = sum(p.numel() for name, p in net.named_parameters() if name not in gathered)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return (n - inactive_expert_params(net)) * torch.empty((), dtype=dtype).element_size()
+
+
+def inactive_expert_params(net: torch.nn.Module) -> int:
+    """Expert weights one token does not use: all but its top-k experts of each MoE layer."""
+    moe = net.cfg.moe
+    if moe is None:
+        return 0
+    experts = sum(p.numel() for name, p in net.named_parameters() if ".experts." in name)
+    return experts * (moe.num_experts - moe.top_k) // moe.num_experts
 
 
 def extras(res: dict, llm: LLM, tmp: str, args: argparse.Namespace, prompts: list[list[int]]) -> None:
@@ -159,7 +179,7 @@ def extras(res: dict, llm: LLM, tmp: str, args: argparse.Namespace, prompts: lis
     res["engine_no_kv_cache_short"] = run_engine(nocache, short_p, short_m)
     del nocache
     res["decode_b64_tok_s"] = decode_rate(llm, 64, llm.engine.model_config.vocab_size, steps=16)
-    res["compute_fraction_b64"] = res["decode_b64_tok_s"] * 2 * res["params"] / 1e9 / res["matmul_gflops"]
+    res["compute_fraction_b64"] = res["decode_b64_tok_s"] * 2 * res["active_params"] / 1e9 / res["matmul_gflops"]
     for backend in ("fused", "gather"):
         if set_backend(llm.engine, backend):
             res[f"attention_b64_{backend}"] = profile_decode(llm.engine, 64, 270)
@@ -168,7 +188,7 @@ def extras(res: dict, llm: LLM, tmp: str, args: argparse.Namespace, prompts: lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=PRESET, choices=[PRESET, *SHAPES],
+    ap.add_argument("--model", default=PRESET, choices=[PRESET, *SHAPES, *MOE_SHAPES],
                     help="weights to run: the GPT-2 preset or a random checkpoint of a real model's shape")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=16)
@@ -191,6 +211,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in net.parameters())
     prompts, max_tokens = workload(args.requests, args.seed, cfg.vocab_size)
     res: dict = {"model": args.model, "device": str(device), "dtype": args.dtype, "params": n_params,
+                 "active_params": n_params - inactive_expert_params(net),
                  "requests": args.requests, "hf_batch": args.hf_batch, "threads": torch.get_num_threads()}
     res["matmul_gflops"] = matmul_gflops(device, dtype)
     res["memory_gbs"] = memory_gbs(device)
@@ -201,10 +222,14 @@ def main() -> None:
     print(f"hf: {res['hf']['tokens_per_s']:.1f} tok/s")
     if not args.no_extras:
         extras(res, llm, tmp, args, prompts)
+    if cfg.moe is not None:
+        res["moe_decode_profile"] = profile_moe_decode(llm.engine, 16, 128)
     res["decode_b1_tok_s"] = decode_rate(llm, 1, cfg.vocab_size)
     res["bandwidth_fraction_b1"] = res["decode_b1_tok_s"] * weight_bytes_read(net, dtype) / 1e9 / res["memory_gbs"]
     res["load_average_1m_start_end"] = [load_at_start, os.getloadavg()[0]]  # this machine is shared
     report(res)
+    if "moe_decode_profile" in res:
+        print_moe_profile(res["moe_decode_profile"])
     print(f"1-minute load average at start/end: {load_at_start:.2f} / {os.getloadavg()[0]:.2f} (2 cores)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))

@@ -9,7 +9,7 @@ checkpoint's size and one copy of the model at the target dtype (the lower bound
 `loadtests/bench_load_memory.py`'s measurement.
 
     .venv/bin/python loadtests/moe_load_memory.py [--dir /tmp/qkv-qwen3-moe-1b-bf16] [--dtype bfloat16]
-    .venv/bin/python loadtests/moe_load_memory.py --shape tiny --dir /tmp/qkv-moe-tiny   # a smoke run
+    .venv/bin/python loadtests/moe_load_memory.py --shape tiny-moe-shape --dir /tmp/qkv-moe-tiny   # a smoke run
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from loadtests.bench_load_memory import measure  # noqa: E402
 COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=4096, norm_topk_prob=True,
               tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=None, use_sliding_window=False)
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-moe-1b": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+    "qwen3-moe-1b-shape": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
                          head_dim=64, intermediate_size=3072, moe_intermediate_size=256, num_experts=64,
                          num_experts_per_tok=8, vocab_size=151936),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    "tiny-moe-shape": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                  vocab_size=1000),
 }
@@ -55,7 +55,7 @@ def write_checkpoint(directory: Path, shape: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/qkv-qwen3-moe-1b-bf16")
-    ap.add_argument("--shape", default="qwen3-moe-1b", choices=list(SHAPES))
+    ap.add_argument("--shape", default="qwen3-moe-1b-shape", choices=list(SHAPES))
     ap.add_argument("--dtype", default="bfloat16", help="dtype to load into")
     ap.add_argument("--out", default="results/moe_load_memory.json")
     args = ap.parse_args()
