@@ -229,3 +229,13 @@ def engine_greedy_runs(directory: str | Path, prompt: list[int], max_tokens: int
     assert llm.engine.stats().num_preemptions_total > 0
     runs["preemption"] = outs[4].token_ids
     return runs
+
+
+# ---- Gemma 2/3 and Phi-3 (build_tiny_llama / write_tiny_llama build these too; pass head_dim,
+# query_pre_attn_scalar, sliding_window, ... as overrides) ----------------------------------
+
+LLAMA_FAMILY.update({
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+})

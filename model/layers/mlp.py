@@ -24,14 +24,33 @@ class FeedForward(nn.Module):
         return self.proj(h)
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), d_model -> d_ff -> d_model."""
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-    def __init__(self, cfg: ModelConfig) -> None:
+
+class GatedMLP(nn.Module):
+    """A gated MLP: down(act(gate(x)) * up(x)), d_model -> d_ff -> d_model; SwiGLU with `silu`
+    (Llama), GeGLU with `gelu_tanh` (Gemma's gelu_pytorch_tanh)."""
+
+    def __init__(self, cfg: ModelConfig, activation: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.act = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """SwiGLU with gate and up in one projection (Phi-3's `gate_up_proj`, gate rows first):
+    down(silu(gate) * up), d_model -> 2 d_ff -> d_model."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, d_ff) each
+        return self.down_proj(up * F.silu(gate))

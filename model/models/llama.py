@@ -48,12 +48,18 @@ class LlamaAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.attention_sinks else None  # gpt-oss
         self.attn = PagedAttention(layer, cfg.d_head, DotScore(cfg.d_head), window=cfg.layer_window(layer))
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, d_model) -> q (T, Hq, d), k and v (T, Hkv, d)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.d_head)
+        k = self.k_proj(x).view(t, self.n_kv, self.d_head)
+        v = self.v_proj(x).view(t, self.n_kv, self.d_head)
+        return q, k, v
+
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
         """x (T, d_model) -> (T, d_model)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.d_head)  # (T, Hq, d)
-        k = self.k_proj(x).view(t, self.n_kv, self.d_head)  # (T, Hkv, d)
-        v = self.v_proj(x).view(t, self.n_kv, self.d_head)  # (T, Hkv, d)
+        q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)

@@ -13,10 +13,12 @@ from typing import Any
 from torch import nn
 
 from model.config import ModelConfig
+from model.models.gemma import GEMMA_FAMILY, GemmaForCausalLM
 from model.models.gpt2 import GPT2
 from model.models.gpt_oss import GPT_OSS
 from model.models.llama import LLAMA_FAMILY, LlamaForCausalLM
 from model.models.mixtral import MIXTRAL, MoEForCausalLM
+from model.models.phi3 import PHI3, Phi3ForCausalLM
 from model.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from model.models.transformer import QKV, QKV_ARCHITECTURE, Transformer
 from model.models.weight_map import ArchitectureSpec, CheckpointError
@@ -30,11 +32,15 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "Qwen2MoeForCausalLM": QWEN2_MOE,
     "Qwen3MoeForCausalLM": QWEN3_MOE,
     "GptOssForCausalLM": GPT_OSS,
+    **GEMMA_FAMILY,
+    "Phi3ForCausalLM": PHI3,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"transformer": Transformer, "gpt2": Transformer,
-                                             "llama": LlamaForCausalLM, "moe": MoEForCausalLM}
+                                             "llama": LlamaForCausalLM, "moe": MoEForCausalLM,
+                                             "gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM,
+                                             "phi3": Phi3ForCausalLM}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
