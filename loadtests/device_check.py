@@ -1,0 +1,553 @@
+"""The GPU device check: one command, the project and torch for CUDA only (no Ray, nothing from
+service/), about 5-8 minutes on an H200. Writes one JSON and prints one table.
+
+    python loadtests/device_check.py                   # on the GPU machine
+    python loadtests/device_check.py --dry-run         # the same sequence on the CPU, tiny shapes
+
+Checks, in order (each one's failure is recorded and the next still runs):
+1. parity: greedy tokens of tiny random Llama, Qwen3 and GPT-2 models (built here with
+   `transformers`, no downloads) from the engine against HF `generate` on the same device in
+   bfloat16; the paper's Transformer (no HF class) against its own dense no-cache forward.
+   In bf16 two correct implementations may part at a near-tie, so a difference passes only
+   when HF's top-two logits at that step are within `TIE`.
+2. batch invariance: a prompt alone and in a batch of 16 gives the same greedy tokens (float32).
+3. backends: the flex kernels (compiled on CUDA) against the gather reference (ragged decode,
+   prefill chunks after a cached past, block tables with holes, GQA, windows, bf16/fp16 caches),
+   and the engine's greedy tokens with flex and gather.
+4. graphs: greedy tokens with CUDA graphs (enforce_eager off) and without, equal.
+5. throughput: a Llama-3.1-8B-shaped model with random bf16 weights decoding at batch 1, 64 and
+   256 over a 2k context (distinct KV blocks per sequence, no prefix sharing), against the
+   roofline (weight + KV bytes per step over 4.8 TB/s, FLOPs over 790 TFLOP/s) and against HF
+   `generate` on the same weights (its decode steps timed by a logits processor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from model import LLM, SamplingParams  # noqa: E402
+from model.config import EngineConfig, ModelConfig  # noqa: E402
+from model.engine.scheduler import ScheduledSeq  # noqa: E402
+from model.engine.sequence import Sequence  # noqa: E402
+from model.layers.flex_attention import FlexPagedAttention  # noqa: E402
+from model.layers.paged_attention import gather_decode_attention, gather_prefill_attention  # noqa: E402
+from model.sampling.sampler import SamplingRow  # noqa: E402
+
+logger = logging.getLogger("device_check")
+TIE = 0.05  # bf16 near-tie: HF's top-two logits closer than this (relative to max(1, |top1|))
+HBM_BYTES_PER_S = 4.8e12  # H200
+PEAK_FLOPS = 790e12  # H200 dense bf16, about
+
+
+@dataclass(frozen=True)
+class Sizes:
+    device: str
+    dtype: torch.dtype
+    parity_tokens: int
+    big: dict  # transformers LlamaConfig fields of the throughput model
+    batches: tuple[int, ...]
+    context: int
+    steps: int  # timed decode steps per batch
+    kernel_context: int  # longest context in the backend check
+    block_size: int = 16
+    num_prompts: int = 4  # per engine run of the correctness checks
+    kernel_cases: tuple = ((torch.bfloat16, None), (torch.bfloat16, 64), (torch.float16, None), (torch.float16, 64))
+    graph_backends: tuple[str, ...] = ("flex", "gather")
+    warm_steps: int = 3
+
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY_BIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=301, max_position_embeddings=256, tie_word_embeddings=False)
+FULL = Sizes("cuda", torch.bfloat16, 16, LLAMA_8B, (1, 64, 256), 2048, 32, 2048)
+# The dry run walks the same code with less of everything (FlexAttention's CPU reference is traced
+# afresh per shape, seconds each on a small machine).
+DRY = Sizes("cpu", torch.bfloat16, 4, TINY_BIG, (1, 4), 48, 2, 40, block_size=16, num_prompts=2,
+            kernel_cases=((torch.bfloat16, None), (torch.float16, 8)), graph_backends=("auto",), warm_steps=1)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str = "pass"  # pass | fail | error | skipped
+    detail: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- tiny checkpoints -------------------------------------------------------------------------
+
+def hf_config(arch: str, **overrides):
+    import transformers
+
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=301, max_position_embeddings=256, tie_word_embeddings=False,
+                bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.1)
+    if arch == "gpt2":
+        return transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=301, n_positions=256,
+                                       bos_token_id=None, eos_token_id=None, pad_token_id=0, **overrides)
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
+    if arch == "qwen3":
+        base.update(head_dim=32, sliding_window=None)
+    base.update(overrides)
+    return cls(**base)
+
+
+def write_hf(directory: Path, arch: str, dtype: torch.dtype, seed: int = 0, **overrides) -> Path:
+    """A random HF model of `arch` saved in `dtype` (norms and biases get noise too)."""
+    import transformers
+
+    config = hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(dtype).save_pretrained(directory)
+    return directory
+
+
+def write_transformer(directory: Path, dtype: torch.dtype) -> Path:
+    """The paper's Transformer, tiny, saved in our format."""
+    from model.loading.checkpoint import save_model
+    from model.models.registry import build_model
+
+    net = build_model(ModelConfig(vocab_size=301, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_position=256))
+    net.init_weights(0)
+    save_model(net.to(dtype), directory)
+    return directory
+
+
+def prompts(n: int, vocab: int = 301, seed: int = 0, base: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (base + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+# ---- 1. parity --------------------------------------------------------------------------------
+
+def check_parity(s: Sizes, work: Path) -> Check:
+    import transformers
+
+    check = Check("parity")
+    for arch in ("llama", "qwen3", "gpt2", "transformer"):
+        directory = work / f"parity-{arch}"
+        if arch == "transformer":
+            write_transformer(directory, s.dtype)
+        else:
+            write_hf(directory, arch, s.dtype)
+        ps = prompts(s.num_prompts)
+        llm = LLM(str(directory), device=s.device, dtype=str(s.dtype).removeprefix("torch."))
+        ours = [o.token_ids for o in llm.generate(ps, greedy(s.parity_tokens))]
+        if arch == "transformer":  # no HF class: the dense, cache-free forward of the same weights
+            refs, logits = dense_greedy(llm.engine.runner.model, ps, s.parity_tokens, s.device)
+        else:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=s.dtype).to(s.device).eval()
+            refs, logits = hf_greedy(hf, ps, s.parity_tokens, s.device)
+            del hf
+        rows = [compare_tokens(a, b, lg) for a, b, lg in zip(ours, refs, logits)]
+        ok = all(r["equal"] or r["near_tie"] for r in rows)
+        check.detail[arch] = {"ok": ok, "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows}
+        if not ok:
+            check.status = "fail"
+        del llm
+        free(s.device)
+    return check
+
+
+@torch.inference_mode()
+def hf_greedy(hf, ps: list[list[int]], n: int, device: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+    toks, logits = [], []
+    for p in ps:
+        ids = torch.tensor([p], device=device)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        toks.append(out.sequences[0, len(p):].tolist())
+        logits.append(torch.stack([x[0].float().cpu() for x in out.logits]))  # (n, vocab)
+    return toks, logits
+
+
+@torch.inference_mode()
+def dense_greedy(net, ps: list[list[int]], n: int, device: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+    toks, logits = [], []
+    for p in ps:
+        ids, steps = list(p), []
+        for _ in range(n):
+            row = net.forward_train(torch.tensor([ids], device=device))[0, -1].float().cpu()
+            steps.append(row)
+            ids.append(int(row.argmax()))
+        toks.append(ids[len(p):])
+        logits.append(torch.stack(steps))
+    return toks, logits
+
+
+def compare_tokens(ours: list[int], ref: list[int], ref_logits: torch.Tensor) -> dict:
+    """Equal, or where they first differ, whether the reference's top two logits were a near-tie."""
+    diff = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if diff is None:
+        return {"equal": len(ours) == len(ref), "near_tie": False, "first_diff": None}
+    top = ref_logits[diff].topk(2).values
+    margin = float(top[0] - top[1])
+    return {"equal": False, "first_diff": diff, "margin": round(margin, 5),
+            "near_tie": margin <= TIE * max(1.0, abs(float(top[0])))}
+
+
+# ---- 2. batch invariance ----------------------------------------------------------------------
+
+def check_batch_invariance(s: Sizes, work: Path) -> Check:
+    directory = write_hf(work / "invariance", "llama", torch.float32, seed=1)
+    llm = LLM(str(directory), device=s.device, dtype="float32", engine_config=EngineConfig(max_num_seqs=32))
+    needle, others = prompts(1, seed=9)[0], prompts(16, seed=10)
+    alone = llm.generate([needle], greedy(s.parity_tokens))[0].token_ids
+    batched = llm.generate(others[:8] + [needle] + others[8:], greedy(s.parity_tokens))[8].token_ids
+    del llm
+    free(s.device)
+    return Check("batch_invariance", "pass" if alone == batched else "fail", {"alone": alone, "batched": batched})
+
+
+# ---- 3. backends ------------------------------------------------------------------------------
+
+def check_backends(s: Sizes, work: Path) -> Check:
+    check = Check("backends")
+    hq, hkv, d = (32, 8, 128) if s.device == "cuda" else (4, 2, 16)
+    worst = {}
+    for dtype, window in s.kernel_cases:
+        worst[f"{str(dtype).removeprefix('torch.')}-window{window}"] = kernel_errors(s, dtype, window, hq, hkv, d)
+    tol = 2e-2
+    check.detail["max_abs_err"] = worst
+    check.detail["tolerance"] = tol
+    if max(max(e.values()) for e in worst.values()) > tol:
+        check.status = "fail"
+    directory = write_hf(work / "backends", "llama", torch.float32, seed=2)
+    tokens = {}
+    for backend in ("gather", "flex"):
+        llm = LLM(str(directory), device=s.device, dtype="float32", attention_backend=backend,
+                  engine_config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+        tokens[backend] = [o.token_ids for o in llm.generate(prompts(s.num_prompts + 2, seed=3), greedy(8))]
+        del llm
+        free(s.device)
+    check.detail["engine_tokens_equal"] = tokens["gather"] == tokens["flex"]
+    if not check.detail["engine_tokens_equal"]:
+        check.status = "fail"
+    return check
+
+
+@torch.inference_mode()
+def kernel_errors(s: Sizes, dtype: torch.dtype, window: int | None, hq: int, hkv: int,
+                  d: int) -> dict:
+    """Flex decode and prefill against the gather reference over a scattered pool -> max abs errors."""
+    bs, ctx = s.block_size, s.kernel_context
+    lens = [1, bs, bs + 1, ctx // 3, ctx - 5, ctx]
+    width = -(-ctx // bs)
+    num_blocks = len(lens) * width + 7
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).to(s.device)
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(s.device, dtype)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(s.device, dtype)
+    flex = FlexPagedAttention(num_blocks, bs, s.device)
+    scale = d**-0.5
+    q = torch.randn(len(lens), hq, d, generator=g).to(s.device, dtype)
+    context = torch.tensor(lens, device=s.device)
+    flex.new_step()
+    got = flex.decode(q, kc, vc, tables, context, scale, window=window)
+    want = gather_decode_attention(q, kc, vc, tables, context, scale, window=window)
+    errs = {"decode": float((got.float() - want.float()).abs().max())}
+    for length in (3, 16):
+        qp = torch.randn(length, hq, d, generator=g).to(s.device, dtype)
+        flex.new_step()
+        got = flex.prefill(qp, kc, vc, tables[-1], ctx - 2, scale, window=window)
+        want = gather_prefill_attention(qp, kc, vc, tables[-1], ctx - 2, scale, window=window)
+        errs[f"prefill{length}"] = float((got.float() - want.float()).abs().max())
+    return errs
+
+
+# ---- 4. graphs --------------------------------------------------------------------------------
+
+def check_graphs(s: Sizes, work: Path) -> Check:
+    check = Check("graphs")
+    directory = write_hf(work / "graphs", "llama", s.dtype, seed=4)
+    dtype = str(s.dtype).removeprefix("torch.")
+    for backend in s.graph_backends:
+        runs = {}
+        for eager in (True, False):
+            llm = LLM(str(directory), device=s.device, dtype=dtype, enforce_eager=eager, attention_backend=backend,
+                      engine_config=EngineConfig(max_num_seqs=16))
+            n = s.num_prompts + 2
+            ps, params = prompts(n, seed=5), [greedy(4 + 2 * i) for i in range(n)]  # batches shrink n .. 1
+            runs[eager] = [o.token_ids for o in llm.generate(ps, params)]
+            graphs = llm.engine.runner.graphs
+            if graphs is not None:
+                check.detail[f"{backend}_static_steps"] = graphs.num_steps
+                check.detail[f"{backend}_replays"] = graphs.num_replays
+                check.detail[f"{backend}_captured_buckets"] = sorted(graphs._graphs)
+            del llm
+            free(s.device)
+        check.detail[f"{backend}_equal"] = runs[True] == runs[False]
+        if runs[True] != runs[False] or (s.device == "cuda" and not check.detail.get(f"{backend}_replays")):
+            check.status = "fail"
+    return check
+
+
+# ---- 5. throughput ----------------------------------------------------------------------------
+
+@dataclass
+class Throughput:
+    engine: str  # "qkv flex+graphs", "qkv gather+graphs", "hf generate"
+    batch: int
+    context: int
+    step_ms: float
+    tokens_per_s: float
+    roofline_step_ms: float
+    roofline_fraction: float
+    bytes_per_step: float
+    flops_per_step: float
+
+
+def roofline(cfg: dict, n_params: int, batch: int, context: int) -> tuple[float, float, float]:
+    """(bytes, flops, seconds) of one decode step: every weight but the input embedding's rows
+    is read once, every sequence reads its K/V; 2 FLOPs per weight per token plus attention."""
+    h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    d = h // heads
+    read = n_params - cfg["vocab_size"] * h  # the embedding table is read a row per token
+    kv_bytes = batch * context * 2 * layers * cfg["num_key_value_heads"] * d * 2
+    weight_bytes = read * 2 + batch * h * 2
+    flops = 2 * read * batch + 4 * batch * context * layers * heads * d
+    seconds = max((weight_bytes + kv_bytes) / HBM_BYTES_PER_S, flops / PEAK_FLOPS)
+    return weight_bytes + kv_bytes, flops, seconds
+
+
+def check_throughput(s: Sizes, work: Path, deadline: float) -> tuple[Check, list[Throughput]]:
+    import transformers
+
+    check, rows = Check("throughput"), []
+    config = transformers.LlamaConfig(**s.big, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    t0 = time.perf_counter()
+    with torch.device(s.device):
+        hf = transformers.LlamaForCausalLM._from_config(config, dtype=s.dtype).eval()
+    n_params = sum(p.numel() for p in hf.parameters())
+    directory = work / "llama-8b-shaped"
+    hf.save_pretrained(directory)
+    check.detail["build_and_save_s"] = round(time.perf_counter() - t0, 1)
+    check.detail["params"] = n_params
+    hf.cpu()  # room for the engine's cache; back on the device for HF's own run
+    free(s.device)
+    configs = [("flex", False), ("gather", False)] if s.device == "cuda" else [("auto", False), ("gather", True)]
+    for backend, eager in configs:
+        batches = s.batches if backend != "gather" else s.batches[:2]
+        if time.perf_counter() > deadline:
+            check.detail[f"skipped_{backend}"] = "time budget"
+            continue
+        rows += engine_throughput(s, directory, n_params, backend, eager, batches)
+    if time.perf_counter() < deadline:
+        hf.to(s.device)
+        for b in s.batches:
+            try:
+                rows.append(hf_throughput(s, hf, n_params, b))
+            except torch.OutOfMemoryError:
+                check.detail[f"hf_batch{b}"] = "out of memory"
+                free(s.device)
+    else:
+        check.detail["skipped_hf"] = "time budget"
+    del hf
+    free(s.device)
+    return check, rows
+
+
+@torch.inference_mode()
+def engine_throughput(s: Sizes, directory: Path, n_params: int, backend: str, eager: bool,
+                      batches: tuple[int, ...]) -> list[Throughput]:
+    """Decode steps of `batch` sequences whose `context` positions are cached in distinct blocks
+    (the cache holds zeros: the same bytes move), driven through the runner as the engine does."""
+    warm = s.warm_steps
+    per_seq = -(-(s.context + warm + s.steps + 1) // s.block_size)
+    cfg = EngineConfig(max_num_seqs=max(batches), num_kv_blocks=max(batches) * per_seq, block_size=s.block_size,
+                       max_model_len=per_seq * s.block_size, enable_prefix_caching=False,
+                       attention_backend=backend, enforce_eager=eager)
+    llm = LLM(str(directory), device=s.device, dtype=str(s.dtype).removeprefix("torch."), engine_config=cfg)
+    runner, out = llm.engine.runner, []
+    name = f"qkv {runner.backend}{'' if eager or s.device != 'cuda' else '+graphs'}"
+    vocab = s.big["vocab_size"]
+    for batch in batches:
+        g = torch.Generator().manual_seed(batch)
+        seqs = []
+        for i in range(batch):
+            seq = Sequence(f"t{i}", torch.randint(1, vocab, (s.context,), generator=g).tolist(), greedy(10**6))
+            seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+            seq.num_computed_tokens = s.context - 1
+            seqs.append(seq)
+        rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, None, []) for q in seqs]
+        for step in range(warm + s.steps):
+            if step == warm:
+                sync(s.device)
+                t0 = time.perf_counter()
+            toks, _ = runner.run([ScheduledSeq(q, 1) for q in seqs], rows)
+            for q, t in zip(seqs, toks):
+                q.output_token_ids.append(t)
+                q.num_computed_tokens += 1
+        sync(s.device)
+        step_s = (time.perf_counter() - t0) / s.steps
+        out.append(_row(name, s, n_params, batch, step_s))
+        logger.info("%s batch %d: %.2f ms/step", name, batch, step_s * 1e3)
+    del llm, runner
+    free(s.device)
+    return out
+
+
+def hf_throughput(s: Sizes, hf, n_params: int, batch: int) -> Throughput:
+    """HF `generate` (greedy, its default dynamic cache, SDPA) at `batch` over `context`-token
+    prompts; the decode steps are timed between calls of a logits processor."""
+    import transformers
+
+    stamps: list[float] = []
+
+    def clock(input_ids, scores):
+        sync(s.device)
+        stamps.append(time.perf_counter())
+        return scores
+
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, s.big["vocab_size"], (batch, s.context), generator=g).to(s.device)
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=s.steps + 1, min_new_tokens=s.steps + 1,
+                    do_sample=False, pad_token_id=0,
+                    logits_processor=transformers.LogitsProcessorList([clock]))
+    step_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    free(s.device)
+    logger.info("hf generate batch %d: %.2f ms/step", batch, step_s * 1e3)
+    return _row("hf generate", s, n_params, batch, step_s)
+
+
+def _row(name: str, s: Sizes, n_params: int, batch: int, step_s: float) -> Throughput:
+    nbytes, flops, roof = roofline(s.big, n_params, batch, s.context)
+    return Throughput(name, batch, s.context, round(step_s * 1e3, 3), round(batch / step_s, 1), round(roof * 1e3, 3),
+                      round(roof / step_s, 3), nbytes, flops)
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+def environment(s: Sizes) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": s.device}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    if s.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    try:
+        import flash_attn  # noqa: F401
+
+        env["flash_attn"] = flash_attn.__version__
+    except ImportError:
+        env["flash_attn"] = None
+    return env
+
+
+def run_check(fn, *args) -> Check:
+    t0 = time.perf_counter()
+    try:
+        check = fn(*args)
+    except Exception as exc:
+        check = Check(fn.__name__.removeprefix("check_"), "error",
+                      {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)})
+    check.seconds = round(time.perf_counter() - t0, 1)
+    logger.info("%s: %s (%.1f s)", check.name, check.status, check.seconds)
+    return check
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="the whole sequence on the CPU with tiny shapes")
+    ap.add_argument("--out", default="device_check.json", help="where the JSON goes")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="throughput parts that would start after this many seconds are skipped")
+    ap.add_argument("--skip", default="", help="comma-separated checks to skip (parity, batch_invariance, "
+                                                "backends, graphs, throughput)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("model", "transformers", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    s = DRY if args.dry_run else FULL
+    if s.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for the CPU sequence", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    skip = set(filter(None, args.skip.split(",")))
+    checks: list[Check] = []
+    rows: list[Throughput] = []
+    with tempfile.TemporaryDirectory(prefix="qkv-device-check-") as tmp:
+        work = Path(tmp)
+        for name, fn in (("parity", check_parity), ("batch_invariance", check_batch_invariance),
+                         ("backends", check_backends), ("graphs", check_graphs)):
+            checks.append(Check(name, "skipped") if name in skip else run_check(fn, s, work))
+        if "throughput" in skip:
+            checks.append(Check("throughput", "skipped"))
+        else:
+            t0 = time.perf_counter()
+            try:
+                check, rows = check_throughput(s, work, start + args.budget_s)
+            except Exception as exc:
+                check = Check("throughput", "error", {"error": f"{type(exc).__name__}: {exc}",
+                                                      "traceback": traceback.format_exc(limit=6)})
+            check.seconds = round(time.perf_counter() - t0, 1)
+            checks.append(check)
+    report = {"dry_run": args.dry_run, "environment": environment(s), "elapsed_s": round(time.perf_counter() - start, 1),
+              "hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS,
+              "checks": [asdict(c) for c in checks], "throughput": [asdict(r) for r in rows]}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    return 0 if all(c.status in ("pass", "skipped") for c in checks) else 1
+
+
+def print_table(report: dict) -> None:
+    env = report["environment"]
+    print(f"\ndevice check on {env.get('gpu', env['device'])} (torch {env['torch']}), {report['elapsed_s']} s")
+    print(f"{'check':<18}{'status':<9}{'s':>7}  detail")
+    for c in report["checks"]:
+        detail = {k: v for k, v in c["detail"].items() if k not in ("traceback", "rows")}
+        if c["name"] == "parity":
+            detail = {k: f"{v['equal']}/{v['prompts']} equal{'' if v['ok'] else ' FAIL'}" for k, v in detail.items()}
+        print(f"{c['name']:<18}{c['status']:<9}{c['seconds']:>7}  {json.dumps(detail)[:160]}")
+    if report["throughput"]:
+        print(f"\n{'engine':<22}{'batch':>6}{'ctx':>6}{'ms/step':>10}{'tok/s':>11}{'roof ms':>9}{'of roof':>9}")
+        for r in report["throughput"]:
+            print(f"{r['engine']:<22}{r['batch']:>6}{r['context']:>6}{r['step_ms']:>10.2f}{r['tokens_per_s']:>11.0f}"
+                  f"{r['roofline_step_ms']:>9.2f}{r['roofline_fraction']:>9.1%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
