@@ -43,7 +43,7 @@ CASES = {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2, "norm_topk_prob": False}),
     "qwen3moe-mlp-only-layers-norm-topk": ("qwen3_moe", None, False, {
-        "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
         "mlp_only_layers": [1], "norm_topk_prob": True, "head_dim": 32}),
     "gptoss-sinks-window8-yarn": ("gpt_oss", None, False, GPT_OSS),
 }
@@ -58,7 +58,7 @@ def case(request, tmp_path_factory) -> tuple[str, Path, "transformers.PreTrained
     greedy continuation of it."""
     arch, dtype, sharded, overrides = CASES[request.param]
     directory = write_tiny_llama(tmp_path_factory.mktemp(arch), arch, seed=len(request.param), dtype=dtype,
-                                 max_shard_size="60KB" if sharded else None, **overrides)
+                                 max_shard_size="60KB" if sharded else None, with_tokenizer=False, **overrides)
     if sharded:
         assert len(list(directory.glob("model-*.safetensors"))) > 1
     hf = getattr(transformers, HF_CLASSES[arch]).from_pretrained(directory, dtype=torch.float32,
@@ -237,3 +237,18 @@ def test_gpt_oss_mxfp4_checkpoint_is_dequantized_at_load(tmp_path: Path) -> None
         expected = hf(tokens[None]).logits[0]
     _, model = load_model(packed)
     torch.testing.assert_close(full_logits(model, tokens, block_size=8), expected, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_mis_shaped_or_missing_expert_tensors_are_named(tmp_path: Path) -> None:
+    from model.loading.checkpoint import CheckpointError
+
+    arch, _, _, overrides = CASES["qwen3moe-mlp-only-layers-norm-topk"]
+    directory = write_tiny_llama(tmp_path, arch, with_tokenizer=False, **overrides)
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, "moe_intermediate_size": 16}))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.experts.0.gate_proj.weight' has shape \[32, 64\], "
+                                              r"expected \[16, 64\]"):
+        load_model(directory)
+    (directory / "config.json").write_text(json.dumps({**raw, "num_experts": 9}))
+    with pytest.raises(CheckpointError, match=r"missing tensors: model.layers.0.mlp.experts.8.down_proj.weight"):
+        load_model(directory)
