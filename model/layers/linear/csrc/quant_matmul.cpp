@@ -118,7 +118,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const at::Tensor& qweight, const
   const float* sp = scales.data_ptr<float>();
   const float* op = has_offset ? offsets.data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+  // Chunks of at least 64K multiply-adds: smaller layers run on one thread (a parallel region
+  // costs more than their work, much more when the cores are shared).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, k * m));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     std::vector<float> buf(k);
     float* w = buf.data();
     for (int64_t r = n0; r < n1; ++r) {

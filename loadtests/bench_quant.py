@@ -1,0 +1,147 @@
+"""What weight-only quantization gains in speed and memory, against float32, in one run.
+
+For each shape (GPT-2-small, the preset with random weights; Qwen2.5-0.5B, a random checkpoint
+in bf16 written by loadtests/random_checkpoint.py) and each scheme (`none`, `int8`, `int4` at
+`--group`, and both again with `quantize_lm_head`, which on the tied Qwen2.5 shape also makes
+the embedding table the quantized head's):
+
+- batch-1 and batch-16 decode tokens/s (steady state, 128-token prompts; bench_engine's decode_rate);
+- batch-1 prefill tokens/s (one `--prefill`-token prompt, time to its first token);
+- the weights' resident bytes (parameters and buffers) and their ratio to float32;
+- for checkpoint shapes, the peak RSS of a fresh process that only loads the model (the
+  load quantizes tensor by tensor, so this stays near the quantized size, not float32's).
+
+    .venv/bin/python loadtests/bench_quant.py [--shapes gpt2-small qwen2.5-0.5b-shape] [--group 128]
+    .venv/bin/python loadtests/bench_quant.py --quick   # a tiny shape, a few steps: checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import decode_rate  # noqa: E402  (this script's folder)
+from model import LLM, SamplingParams  # noqa: E402
+from model.config import EngineConfig  # noqa: E402
+from model.loading.quantize import resident_bytes  # noqa: E402
+from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+
+PRESETS = {"gpt2-small": "gpt2-small-random"}  # shape name -> preset (random weights, built in memory)
+# --quick: tied like Qwen2.5, with widths that groups of 128 divide (the tiny Llama shape's 344 does not)
+QUICK_SHAPE = "tiny-qwen-shape"
+SHAPES.setdefault(QUICK_SHAPE, {**SHAPES["qwen2.5-0.5b-shape"], "hidden_size": 128, "intermediate_size": 384,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 1024, "max_position_embeddings": 2048, "max_window_layers": 2,
+                                "bos_token_id": 1, "eos_token_id": 2})
+
+_PEAK = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from model.loading.loading import load_weights
+from model.loading.quantize import on_the_fly_scheme
+scheme = on_the_fly_scheme({method!r}, {group})
+load_weights({path!r}, torch.float32, torch.device("cpu"), quantize=scheme, quantize_lm_head={head})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def prefill_rate(llm: LLM, length: int, vocab: int) -> float:
+    rng = random.Random(length)
+    prompt = [rng.randrange(vocab) for _ in range(length)]
+    llm.generate([prompt[:16]], SamplingParams(max_tokens=1, temperature=0.0))  # warm-up
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return length / (time.perf_counter() - t0)
+
+
+def load_peak_rss(path: str, method: str, group: int, head: bool) -> int:
+    code = _PEAK.format(root=str(Path(__file__).resolve().parents[1]), method=method, group=group, path=path,
+                        head=head)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def run_shape(shape: str, source: str, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    schemes = [("none", False), ("int8", False), ("int4", False), ("int8", True), ("int4", True)]
+    for method, head in schemes:
+        if method == "none" and head:
+            continue
+        ec = EngineConfig(max_num_seqs=16, num_kv_blocks=args.kv_blocks, quantization=method,
+                          quantization_group_size=args.group, quantize_lm_head=head)
+        t0 = time.perf_counter()
+        llm = LLM(source, device="cpu", dtype="float32", engine_config=ec)
+        load_s = time.perf_counter() - t0
+        vocab = llm.engine.model_config.vocab_size
+        net = llm.engine.runner.model
+        row = {"shape": shape, "scheme": method if method != "int4" else f"int4-g{args.group}",
+               "quantize_lm_head": head, "load_s": load_s, "weight_bytes": resident_bytes(net),
+               "decode_b1_tok_s": decode_rate(llm, 1, vocab, steps=args.steps),
+               "decode_b16_tok_s": decode_rate(llm, 16, vocab, steps=args.steps),
+               "prefill_b1_tok_s": prefill_rate(llm, args.prefill, vocab)}
+        if shape not in PRESETS and not args.no_peak:
+            row["load_peak_rss_bytes"] = load_peak_rss(source, method, args.group, head)
+        rows.append(row)
+        print(f"  {shape} {row['scheme']}{' +head' if head else ''}: {row['decode_b1_tok_s']:.1f} tok/s b1", flush=True)
+        del llm, net
+    base = rows[0]
+    for r in rows:
+        for key in ("weight_bytes", "decode_b1_tok_s", "decode_b16_tok_s", "prefill_b1_tok_s"):
+            r[f"{key}_vs_none"] = r[key] / base[key]
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    print(f"\n{'shape':<20} {'scheme':<10} {'head':<5} {'decode b1':>10} {'x':>5} {'decode b16':>11} {'x':>5} "
+          f"{'prefill b1':>11} {'x':>5} {'weights MiB':>12} {'x':>5} {'load peak MiB':>14}")
+    for r in rows:
+        peak = f"{r['load_peak_rss_bytes'] / 2**20:14.0f}" if "load_peak_rss_bytes" in r else f"{'-':>14}"
+        print(f"{r['shape']:<20} {r['scheme']:<10} {'q' if r['quantize_lm_head'] else '-':<5} "
+              f"{r['decode_b1_tok_s']:10.1f} {r['decode_b1_tok_s_vs_none']:5.2f} "
+              f"{r['decode_b16_tok_s']:11.1f} {r['decode_b16_tok_s_vs_none']:5.2f} "
+              f"{r['prefill_b1_tok_s']:11.1f} {r['prefill_b1_tok_s_vs_none']:5.2f} "
+              f"{r['weight_bytes'] / 2**20:12.1f} {r['weight_bytes_vs_none']:5.2f} {peak}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["gpt2-small", "qwen2.5-0.5b-shape"])
+    ap.add_argument("--group", type=int, default=128, help="int4 group size")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt length of the prefill run")
+    ap.add_argument("--kv-blocks", type=int, default=512)
+    ap.add_argument("--no-peak", action="store_true", help="skip the load-peak-RSS subprocesses")
+    ap.add_argument("--quick", action="store_true", help="a tiny Qwen-like shape, 4 steps, 64-token prefill")
+    ap.add_argument("--out", default="results/bench_quant.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.shapes, args.steps, args.prefill, args.kv_blocks = [QUICK_SHAPE], 4, 64, 256
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            if shape in PRESETS:
+                source = PRESETS[shape]
+            else:
+                source = str(Path(tmp) / shape)
+                write_random_checkpoint(source, shape, torch.bfloat16)
+            rows += run_shape(shape, source, args)
+    report(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"torch_threads": torch.get_num_threads(), "group_size": args.group,
+                                          "steps": args.steps, "prefill_tokens": args.prefill, "rows": rows},
+                                         indent=2))
+
+
+if __name__ == "__main__":
+    main()
