@@ -8,11 +8,16 @@ not buffers: `model.to(dtype)` and loading onto the meta device leave them exact
 Position-dependent scalings (`dynamic`, `longrope`) are a function of each token's position
 only: HF recomputes the frequencies per forward from the longest sequence in it, so in HF's
 `generate` the token at position p (p past the prompt) is rotated with the frequencies of a
-sequence of p + 1 tokens, and so is every token here. That makes the rotation of a cached key
-independent of the request it came from (prefix caching stays exact), and equals HF's
-generate whenever the prompt itself fits in the original context; for a prompt already longer
-than it, HF rotates all the prompt's tokens with the long-context frequencies, here only those
-past the original context.
+sequence of p + 1 tokens, and the cached keys keep theirs; here every token is. That makes a
+cached key independent of the request it came from (prefix caching, preemption and batching
+stay exact), and equals HF's generate whenever the prompt itself fits in the original context
+(dynamic: max_position_embeddings) -- for a longer prompt HF rotates all of it with the
+long-context frequencies, here only the positions past the original context.
+One HF model differs: Phi-3's `generate` (Phi3ForCausalLM.prepare_inputs_for_generation) drops
+its cache when a sequence first grows past original_max_position_embeddings and recomputes it
+with the long factors, so past that point every position, and every layer's keys and values,
+use them. Matching that needs the engine to recompute such a sequence at the crossing and to
+keep blocks of the two regimes apart in the prefix cache; not done (the README's note says so).
 """
 
 from __future__ import annotations
