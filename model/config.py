@@ -277,9 +277,11 @@ class EngineConfig:
     # then SDPA), `fused` (the C++ CPU kernel), `flex` (FlexAttention, the CUDA kernel); `auto`:
     # fused on the CPU (gather if it cannot be built), flex on CUDA.
     attention_backend: AttentionBackend = "auto"
-    # True: decode steps run eagerly; False: on CUDA each decode batch-size bucket is captured once
-    # in a CUDA graph and replayed (vLLM's name). Prefill always runs eagerly.
-    enforce_eager: bool = False
+    # True: decode steps run eagerly (vLLM's name). False: decode runs on static buffers padded to a
+    # batch-size bucket, each bucket captured once in a CUDA graph and replayed on CUDA (on the CPU
+    # the padded path runs uncaptured). None: False on CUDA, True on the CPU, where the padding buys
+    # nothing. Prefill always runs eagerly.
+    enforce_eager: bool | None = None
     # Weight-only quantization applied at load (model/layers/linear/quantized.py): int8 per output
     # channel, int4 in groups of `quantization_group_size` input columns. A GPTQ/AWQ checkpoint is
     # loaded as its config.json's `quantization_config` says, with quantization "none".

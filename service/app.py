@@ -60,7 +60,7 @@ class AppArgs(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
     attention_backend: Literal["auto", "gather", "fused", "flex"] = "auto"  # auto: fused on CPU, flex on CUDA
-    enforce_eager: bool = False  # True: no CUDA graphs for decode
+    enforce_eager: bool | None = None  # True: no CUDA graphs for decode; None: graphs on CUDA only
     # weight-only, applied at load (a GPTQ/AWQ checkpoint is served as it is quantized)
     quantization: Literal["none", "int8", "int4"] = "none"
     quantization_group_size: Literal[32, 64, 128] = 128  # int4: input columns per scale

@@ -50,7 +50,8 @@ def _prefilled(engine: Engine, tables: list[list[int]], lengths: list[int]) -> l
 @pytest.mark.parametrize("backend", ["gather", "fused", "flex"])
 @torch.inference_mode()
 def test_static_decode_step_equals_the_eager_step(llama_dir, backend) -> None:
-    engine = Engine(llama_dir, EngineConfig(num_kv_blocks=24, block_size=BS, max_num_seqs=8, attention_backend=backend))
+    engine = Engine(llama_dir, EngineConfig(num_kv_blocks=24, block_size=BS, max_num_seqs=8, attention_backend=backend,
+                                            enforce_eager=False))
     runner, graphs = engine.runner, engine.runner.graphs
     assert graphs is not None and graphs.scratch_block == 24 and runner.cache.num_blocks == 25
     # Three sequences (bucket 4: one padding row), block tables with holes and out of order.
@@ -87,3 +88,10 @@ def test_greedy_tokens_equal_with_enforce_eager_on_and_off(llama_dir) -> None:
             assert graphs.num_steps >= 10 and graphs.num_padding_rows > 0
     assert outs[True] == outs[False]
     assert len({tuple(o) for o in outs[True]}) == 6
+
+
+def test_cpu_default_is_eager_and_cuda_default_captures() -> None:
+    """enforce_eager=None: static buffers only where a graph is captured (they cost padding rows)."""
+    assert EngineConfig().enforce_eager is None
+    engine = Engine("transformer-base", EngineConfig(num_kv_blocks=8))
+    assert engine.runner.graphs is None

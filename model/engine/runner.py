@@ -8,7 +8,7 @@ step's `AttnMetadata`; the model never knows which.
 Decode steps run on static buffers (`DecodeGraphs`): a decode-only batch of B sequences is copied into buffers padded to the next batch-size bucket,
 run, and the outputs sliced back to B rows. On CUDA each bucket's forward is captured once in a
 CUDA graph and replayed (vLLM's scheme); `enforce_eager` turns the static buffers and graphs
-off. Prefill runs eagerly.
+off (by default on the CPU, where nothing is captured). Prefill runs eagerly.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ def choose_backend(name: str, device: torch.device, block_size: int) -> str:
 class ModelRunner:
     """Owns the model and its KV cache on one device.
 
-    `scratch_block`: a cache block the block manager never hands out, where the padding rows of
+    `enforce_eager`: as `EngineConfig.enforce_eager`. `scratch_block`: a cache block the block manager never hands out, where the padding rows of
     static decode batches write; None turns the static-buffer decode path off."""
 
     def __init__(self, model: Transformer, cache: KVCache, device: torch.device, attention_backend: str = "auto",
-                 enforce_eager: bool = True, scratch_block: int | None = None, max_num_seqs: int = 1,
+                 enforce_eager: bool | None = True, scratch_block: int | None = None, max_num_seqs: int = 1,
                  max_model_len: int = 0) -> None:
         self.model = model
         self.cache = cache
@@ -66,6 +66,8 @@ class ModelRunner:
         self.backend = choose_backend(attention_backend, device, cache.block_size)
         self.flex = FlexPagedAttention(cache.num_blocks, cache.block_size, device)
         self.graphs: DecodeGraphs | None = None
+        if enforce_eager is None:  # static buffers pay for themselves only with a graph to replay
+            enforce_eager = device.type != "cuda"
         if not enforce_eager and scratch_block is not None:
             width = max(1, -(-max_model_len // cache.block_size))
             self.graphs = DecodeGraphs(self, scratch_block, max_num_seqs, width)
