@@ -18,12 +18,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model import LLM
-from model.config import EngineConfig, MoEConfig
+from model.config import MoEConfig
 from model.layers.moe import Experts, route
 from model.loading.checkpoint import load_model
-from test_llama_family import _greedy, _others
-from tiny_models import full_logits, hf_greedy, torch_threads, write_tiny_llama
+from tiny_models import engine_greedy_runs, full_logits, hf_greedy, torch_threads, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,25 +95,12 @@ def test_logits_match_hf(case) -> None:
     torch.testing.assert_close(full_logits(model, tokens, block_size=8), expected, atol=LOGITS_ATOL, rtol=0)
 
 
-def test_greedy_continuation_matches_hf_alone_then_in_a_batch_of_16_from_the_prefix_cache(case) -> None:
+def test_greedy_continuation_matches_hf_alone_batched_preempted_and_from_the_prefix_cache(case) -> None:
+    """Alone; again with the prompt's full blocks from the prefix cache; inside 16 other requests
+    (prompts chunked over steps of 48 tokens); among 8 others in a pool that forces preemption."""
     _, directory, hf, prompt, expected = case
-    llm = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(block_size=8))
-    assert llm.generate([prompt], _greedy())[0].token_ids == expected
-    hits = llm.engine.stats().prefix_cache_hits
-    prompts, params = _others(16, hf.config.vocab_size, seed=3)
-    outs = llm.generate(prompts[:8] + [prompt] + prompts[8:], params[:8] + [_greedy()] + params[8:])
-    assert llm.engine.stats().prefix_cache_hits >= hits + 2  # the prompt's two full blocks, computed alone
-    assert outs[8].token_ids == expected
-
-
-def test_greedy_continuation_matches_hf_under_preemption(case) -> None:
-    _, directory, hf, prompt, expected = case
-    # 12 blocks of 8 tokens cannot hold 9 sequences of up to 64 tokens: preemption is forced.
-    llm = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(num_kv_blocks=12, block_size=8))
-    prompts, params = _others(8, hf.config.vocab_size, seed=4)
-    outs = llm.generate(prompts[:4] + [prompt] + prompts[4:], params[:4] + [_greedy()] + params[4:])
-    assert llm.engine.stats().num_preemptions_total > 0
-    assert outs[4].token_ids == expected
+    runs = engine_greedy_runs(directory, prompt, GREEDY_TOKENS, hf.config.vocab_size)
+    assert runs == dict.fromkeys(runs, expected)
 
 
 def test_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path: Path) -> None:
