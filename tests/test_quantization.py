@@ -79,6 +79,19 @@ def reference_model(directory: Path, weights: dict[str, torch.Tensor], prefix: s
     return model
 
 
+def check_layers(model, refs: dict[str, torch.Tensor], prefix: str) -> None:
+    """Each quantized layer against x W_ref^T for 1 row (decode: weights decoded in registers),
+    5 rows (one decoded scratch row per weight row) and 40 rows (dequantized blocks)."""
+    gen = torch.Generator().manual_seed(0)
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantizedLinear) and prefix + name in refs:
+            for rows in (1, 5, 40):
+                x = torch.randn(rows, layer.in_features, generator=gen)
+                with torch.no_grad():
+                    got = layer(x) - (layer.bias if layer.bias is not None else 0)
+                assert rel_err(got, x @ refs[prefix + name].t()) < 1e-5, (name, rows)
+
+
 # ---- on the fly: the formats' math written out here -----------------------------------------
 
 def int8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +132,7 @@ def test_on_the_fly_logits_match_the_dequantized_reference(case, llama_dir, tran
                 | {f"layers.{i}.mlp.{p}" for i in range(2) for p in LINEARS[4:]}) if arch == "llama" else \
         {f"blocks.{i}.{p}" for i in range(2) for p in ("attn.qkv", "attn.out", "mlp.fc", "mlp.proj")}
     assert set(layers) == expected  # every linear layer but the LM head
+    check_layers(model, refs, prefix)
     ref = reference_model(directory, refs, prefix)
     tokens = torch.randint(0, 300, (50,), generator=torch.Generator().manual_seed(1))
     for t in (7, 50):  # decode-sized (the kernel) and prefill-sized (dequantized blocks)
@@ -294,6 +308,7 @@ def test_gptq_checkpoint_matches_its_dequantized_reference(case, llama_dir, qwen
     assert model.quant_scheme.describe() == {"method": "gptq", "bits": bits, "group_size": group, "sym": sym,
                                              "desc_act": desc_act}
     assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == len(refs) == 14
+    check_layers(model, refs, "model.")
     ref = reference_model(src, refs, "model.")
     tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
     for t in (5, 40):
@@ -307,6 +322,7 @@ def test_awq_checkpoint_matches_its_dequantized_reference(family, llama_dir, qwe
     refs = write_quantized(src, tmp_path / "awq", qc, lambda w: awq_pack(w, 32))
     _, model = load_model(tmp_path / "awq")
     assert model.quant_scheme.method == "awq"
+    check_layers(model, refs, "model.")
     ref = reference_model(src, refs, "model.")
     tokens = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(4))
     for t in (6, 40):
