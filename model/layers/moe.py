@@ -74,6 +74,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights and ids (T, k) -> sum over each token's k experts of weight * expert(x)."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Refused before any host sync, so the runner's capture fails cleanly and decodes eagerly.
+            raise RuntimeError("the MoE layer reads its per-expert token counts on the host, which a CUDA graph "
+                               "cannot capture")
         t, k = ids.shape
         flat = ids.reshape(-1)  # (T*k,) assignment a = token * k + slot
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
