@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 AttentionKind = Literal["dot", "additive"]
-Arch = Literal["transformer", "gpt2", "llama", "moe", "gemma2", "gemma3", "phi3"]
+Arch = Literal["transformer", "gpt2", "llama", "moe", "gpt_oss", "gemma2", "gemma3", "phi3"]
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -180,8 +180,8 @@ class ModelConfig:
             raise ValueError(f"arch 'gemma2'/'gemma3' need GemmaOptions and only they take them (arch {self.arch!r})")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if (self.arch == "moe") != (self.moe is not None):
-            raise ValueError(f"arch 'moe' needs a MoEConfig and only it takes one (arch {self.arch!r})")
+        if (self.arch in ("moe", "gpt_oss")) != (self.moe is not None):
+            raise ValueError(f"archs 'moe' and 'gpt_oss' need a MoEConfig and only they take one (arch {self.arch!r})")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.attention not in ("dot", "additive"):
@@ -191,7 +191,7 @@ class ModelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
-        if self.attention == "additive" and (self.arch in ("llama", "moe") or self.kv_heads != self.n_heads):
+        if self.attention == "additive" and (self.arch in ("llama", "moe", "gpt_oss") or self.kv_heads != self.n_heads):
             raise ValueError("additive attention is only available for the paper's Transformer and GPT-2, "
                              "without grouped-query attention")
 

@@ -3,7 +3,7 @@ full layers (`layer_types`), YaRN RoPE, biases on q/k/v/o, and a mixture of expe
 biased router that takes the top 4 logits then a softmax over them, experts with biases and
 a clamped SwiGLU, (up + 1) * gate * sigmoid(1.702 * gate), gate <= 7 and |up| <= 7.
 
-Runs on the MoE module (`model.models.mixtral.MoEForCausalLM`). The checkpoint's experts are
+Runs on the MoE module (`model.models.mixtral.MoEForCausalLM`) with its own RMSNorm. The checkpoint's experts are
 `mlp.experts.gate_up_proj` (E, D, 2F) with gate and up interleaved column by column and
 `down_proj` (E, F, D), in bf16, or MXFP4-packed (`*_blocks` + `*_scales`, as openai/gpt-oss
 ships them), which is dequantized at load, expert by expert, to the model's dtype.
@@ -15,11 +15,14 @@ import dataclasses
 from collections.abc import Collection
 from typing import Any
 
+import torch
 from torch import nn
 
 from model.config import ModelConfig, MoEConfig
 from model.models.expert_weights import gpt_oss_down, gpt_oss_gate_up, gpt_oss_gate_up_bias, mxfp4
+from model.layers.norms import RMSNorm
 from model.models.llama import _parser, _skip
+from model.models.mixtral import MoEForCausalLM
 from model.models.weight_map import ArchitectureSpec, TensorSpec, identity_map
 
 SWIGLU_ALPHA = 1.702  # fixed in the reference implementation; newer configs carry `swiglu_alpha`
@@ -31,7 +34,29 @@ def parse_gpt_oss(raw: dict[str, Any], has_tokenizer: bool) -> ModelConfig:
                     expert_bias=True, activation="gpt_oss", swiglu_alpha=float(raw.get("swiglu_alpha", SWIGLU_ALPHA)),
                     swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
     cfg = _parser(None, False)(raw, has_tokenizer)  # attention_bias: q/k/v and o biases
-    return dataclasses.replace(cfg, arch="moe", moe=moe, attention_sinks=True)
+    return dataclasses.replace(cfg, arch="gpt_oss", moe=moe, attention_sinks=True)
+
+
+class GptOssRMSNorm(RMSNorm):
+    """gpt-oss's RMSNorm casts back to the input dtype after the weight multiply, Llama's before
+    it: the same in float32; in bf16, on a tiny random gpt-oss, the Llama order put logits 0.16
+    off HF's, this one 0.02."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+class GptOssForCausalLM(MoEForCausalLM):
+    """The MoE decoder with gpt-oss's RMSNorms (arch "gpt_oss")."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is RMSNorm:
+                    setattr(module, name, GptOssRMSNorm(child.weight.shape[0], child.eps))
 
 
 def _name_map(model: nn.Module, tensor_names: Collection[str]) -> dict[str, TensorSpec]:

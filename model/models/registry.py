@@ -15,7 +15,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.models.gemma import GEMMA_FAMILY, GemmaForCausalLM
 from model.models.gpt2 import GPT2
-from model.models.gpt_oss import GPT_OSS
+from model.models.gpt_oss import GPT_OSS, GptOssForCausalLM
 from model.models.llama import LLAMA_FAMILY, LlamaForCausalLM
 from model.models.mixtral import MIXTRAL, MoEForCausalLM
 from model.models.phi3 import PHI3, Phi3ForCausalLM
@@ -38,7 +38,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"transformer": Transformer, "gpt2": Transformer,
-                                             "llama": LlamaForCausalLM, "moe": MoEForCausalLM,
+                                             "llama": LlamaForCausalLM, "moe": MoEForCausalLM, "gpt_oss": GptOssForCausalLM,
                                              "gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM,
                                              "phi3": Phi3ForCausalLM}
 
