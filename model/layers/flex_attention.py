@@ -19,9 +19,9 @@ The block mask is built once per step and shared by every layer (`new_step` clea
 runner calls it when it prepares a step), from device tensors only, with no host sync, so a
 decode step that calls it can be captured in a CUDA graph.
 
-On CUDA the call is compiled (`torch.compile`, one kernel per shape: the batch is padded to a
-power of two, the KV block of the mask is the cache's block, which the Triton kernels need to be
-a multiple of 16). On the CPU it runs FlexAttention's unfused reference (scores over the whole
+On CUDA the call is compiled (`torch.compile`, one kernel per shape: the batch and a prefill
+chunk's length are padded to a power of two, the block lists to the whole pool; the KV block of
+the mask is the cache's block, which the Triton kernels need to be a multiple of 16). On the CPU it runs FlexAttention's unfused reference (scores over the whole
 pool, materialised): correct, used by the tests to check this backend against the gather
 path, far too slow to serve; the CPU's serving backend is the fused C++ kernel.
 """
@@ -55,7 +55,9 @@ def _compiled_flex():
     if "fn" not in _compiled:
         import torch._dynamo
 
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # before 2.6
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
         _compiled["fn"] = torch.compile(flex_attention, dynamic=False)
     return _compiled["fn"]
 
@@ -136,7 +138,7 @@ class FlexPagedAttention:
             if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(plan.key, key)):
                 return plan.mask
         mask = build_block_mask(block_tables, context_lens, q_len, window, self.num_blocks, self.block_size,
-                                full_width=self.compiled and self.device.type == "cpu")
+                                full_width=self.compiled)
         self._plans.append(_Plan(key, mask))
         return mask
 
@@ -147,7 +149,8 @@ def build_block_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, q_l
     positions of a context of context_lens[b] positions held in block_tables[b] (B, W).
 
     Device ops only (no host sync). `full_width` pads the block lists to every block of the
-    pool (the CPU's compiled kernel wants that)."""
+    pool: one shape whatever the tables' width, so the compiled kernel is not recompiled as
+    contexts grow (and the CPU's compiled kernel wants it)."""
     b, w = block_tables.shape
     bs = block_size
     used = (context_lens + bs - 1) // bs  # (B,) blocks that hold the row's context
