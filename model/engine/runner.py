@@ -262,6 +262,10 @@ class DecodeGraphs:
         """Warm up (compiles, sizes workspaces) then capture one bucket's forward. The warm-up runs
         on the step's own inputs, so the K/V it writes are the ones the replay writes again."""
         runner, full = self.runner, self.width * self.runner.block_size
+        if self._pool is None:
+            # The gather path's workspace at its largest before any capture: one grown later would
+            # free memory that the graphs captured before still read and write.
+            runner.cache.gather(0, self.block_tables)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
