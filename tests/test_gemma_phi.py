@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.loading.checkpoint import load_model
+from model.loading.checkpoint import CheckpointError, load_model
 from tiny_models import engine_greedy_runs, full_logits, hf_greedy, torch_threads, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -106,12 +106,11 @@ def test_greedy_matches_hf_alone_cached_batched_and_preempted(case) -> None:
     assert runs == dict.fromkeys(runs, expected)
 
 
+@pytest.mark.parametrize("case", ["gemma2-softcap-window16"], indirect=True)
 def test_soft_capping_is_what_makes_gemma2_match(case) -> None:
     """Without its two soft-caps the Gemma 2 model's logits are far from HF's: the test above
     could not pass with soft-capping ignored."""
-    name, directory, hf, _ = case
-    if not name.startswith("gemma2"):
-        pytest.skip("Gemma 2 only")
+    _, directory, hf, _ = case
     _, model = load_model(directory)
     tokens = torch.randint(0, 301, (30,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -122,13 +121,12 @@ def test_soft_capping_is_what_makes_gemma2_match(case) -> None:
     assert (full_logits(model, tokens, block_size=8) - expected).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("case", ["phi3-longrope-partial-past-original"], indirect=True)
 def test_phi3_past_the_original_context_matches_hf_longrope_step_by_step(case) -> None:
     """LongRoPE switches to the long factors at position 32: a 20-token prompt and 32 greedy
     tokens cross it; our logits at each generated position equal HF generate's (without
     Phi-3's cache recompute at the crossing)."""
-    name, directory, hf, prompt = case
-    if PAST_ORIGINAL not in name:
-        pytest.skip("the Phi-3 case past its original context only")
+    _, directory, hf, prompt = case
     _, model = load_model(directory)
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -138,3 +136,27 @@ def test_phi3_past_the_original_context_matches_hf_longrope_step_by_step(case) -
     tokens = out.sequences[0, len(prompt):].tolist()
     ours = full_logits(model, prompt + tokens[:-1], block_size=8)[len(prompt) - 1:]
     torch.testing.assert_close(ours, torch.cat(out.logits), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_gemma3_config_without_layer_types_and_refusals(tmp_path) -> None:
+    """An older Gemma 3 config.json: `sliding_window_pattern` instead of `layer_types`, and
+    rope_theta / rope_local_base_freq at the top level; a multimodal config and another
+    activation are refused, naming what is wrong."""
+    import json
+
+    directory = write_tiny_llama(tmp_path, "gemma3", with_tokenizer=False, num_hidden_layers=4, **GEMMA,
+                                 sliding_window=8)
+    raw = json.loads((directory / "config.json").read_text())
+    base = {k: v for k, v in raw.items() if k not in ("layer_types", "rope_parameters")}
+
+    def load_with(**changes):
+        (directory / "config.json").write_text(json.dumps({**base, **changes}))
+        return load_model(directory)[0]
+
+    cfg = load_with(sliding_window_pattern=2, rope_theta=5e5, rope_local_base_freq=2e3)
+    assert [cfg.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    assert (cfg.rope_theta, cfg.gemma.rope_local_theta) == (5e5, 2e3)
+    with pytest.raises(CheckpointError, match="multimodal Gemma 3 checkpoint"):
+        load_with(text_config={})
+    with pytest.raises(CheckpointError, match="hidden_activation must be one of gelu_pytorch_tanh"):
+        load_with(hidden_activation="relu")
