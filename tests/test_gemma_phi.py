@@ -160,3 +160,18 @@ def test_gemma3_config_without_layer_types_and_refusals(tmp_path) -> None:
         load_with(text_config={})
     with pytest.raises(CheckpointError, match="hidden_activation must be one of gelu_pytorch_tanh"):
         load_with(hidden_activation="relu")
+
+
+def test_model_config_with_the_new_options_round_trips_through_json() -> None:
+    """Our own config.json (save_model: dataclasses.asdict) reads back equal and hashable."""
+    import dataclasses
+    import json
+
+    from model.config import GemmaOptions, ModelConfig, RopeScaling
+
+    cfg = ModelConfig(arch="gemma3", n_layers=2, layer_types=("sliding_attention", "full_attention"),
+                      sliding_window=8, gemma=GemmaOptions(24.0, 2.0, 3.0, 1e4), partial_rotary_factor=0.5,
+                      rope_scaling=RopeScaling("longrope", 4.0, short_factor=(1.0, 2.0), long_factor=(3.0, 4.0)))
+    back = ModelConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
+    assert back == cfg and hash(back) == hash(cfg)
+    assert [back.layer_window(i) for i in range(2)] == [8, None]
