@@ -95,6 +95,7 @@ def main() -> None:
         name = method if method != "int4" else f"int4-g{group}"
         rows.append({"scheme": name, "greedy_agreement": same, "greedy_prefix_agreement": prefix,
                      "bits_per_byte": bpb, "seconds": time.perf_counter() - t0})
+        print(f"  {name}: greedy agreement {same:.3f}, {bpb:.4f} bits/byte ({rows[-1]['seconds']:.0f} s)", flush=True)
         del llm
     base = rows[0]["bits_per_byte"]
     print(f"{args.model}: {args.prompts} prompts x {args.tokens} greedy tokens; bits/byte on the last "
