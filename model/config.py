@@ -288,6 +288,14 @@ class EngineConfig:
     quantization: Quantization = "none"
     quantization_group_size: int = 128
     quantize_lm_head: bool = False  # also the LM head (the embedding lookup stays full precision)
+    # LoRA adapters (model/layers/lora.py): {name: directory or hub id} loaded at start-up; a
+    # directory (or hub org) under which `base:adapter` names load on first use; at most `max_loras`
+    # resident at once (LRU; adapters with requests in flight stay), each of rank <= `max_lora_rank`.
+    # LoRA is on when either of the first two is set.
+    lora_modules: dict[str, str] | None = None
+    lora_dynamic_path: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -307,6 +315,8 @@ class EngineConfig:
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of "
                              f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}; got {self.quantization_group_size}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {self.attention_backend!r}")

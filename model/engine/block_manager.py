@@ -137,7 +137,9 @@ class BlockManager:
     def hashes(self, seq: Sequence) -> list[bytes]:
         """The hashes of `seq`'s full blocks (computed once, extended as tokens are added)."""
         if len(seq.token_ids) // self.block_size > len(seq.block_hashes):
-            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, self.salt, seq.block_hashes)
+            # A LoRA adapter changes every K/V: its name salts the chain, so no prefix crosses adapters.
+            salt = self.salt if seq.lora is None else self.salt + b"|lora:" + seq.lora.encode()
+            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, salt, seq.block_hashes)
         return seq.block_hashes
 
     def match(self, seq: Sequence) -> list[int]:

@@ -21,6 +21,7 @@ from model.inspect.attention_maps import capture_attention
 from model.inspect.attention_spec import AttentionShape, check_attention
 from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
+from model.loading.lora import LoraManager
 from model.loading.pooling_config import read_pooling_config
 from model.loading.quantize import on_the_fly_scheme, quantization_of
 from model.loading.tokenizer import IncrementalDetokenizer
@@ -91,6 +92,12 @@ class Engine:
         self.runner = ModelRunner(net, cache, self.device, self.config.attention_backend, self.config.enforce_eager,
                                   scratch_block=num_blocks, max_num_seqs=self.config.max_num_seqs,
                                   max_model_len=max_len)
+        self.lora: LoraManager | None = None  # LoRA adapters over this model (model/loading/lora.py)
+        if ec.lora_modules or ec.lora_dynamic_path:
+            self.lora = LoraManager(net, None if source in PRESETS else source, model, ec.lora_modules,
+                                    ec.lora_dynamic_path, ec.max_loras, ec.max_lora_rank, self.dtype)
+            self.runner.lora = self.lora.state
+        self._lora_waiting: list[_Request] = []  # requests whose adapter waits for a free slot
         # Prefill-only forwards for /v1/embeddings, run by the step thread between steps (service/openai/embeddings.py).
         pooling = read_pooling_config(None if source in PRESETS else source, cfg.d_model)
         self.embedder = Embedder(net, pooling, self.device, self.config.max_num_batched_tokens)
@@ -133,22 +140,53 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora: str | None = None) -> None:
         """Queue a request. Raises ValueError for an id in use, a request that fails
         `model.sampling.request_checks.check_request` (a `RequestError` naming the parameter), one
         needing more KV blocks than the pool has, or a structured-output constraint that does not
         compile. Compiling is slow the first time: callers that must not stall the step call
-        `self.structured.prepare([params])` on another thread first."""
+        `self.structured.prepare([params])` on another thread first.
+
+        `lora`: the name of a LoRA adapter to run the request under (None: the base model); a
+        `LoraError` (a ValueError) for one that is unknown or does not fit. A request whose adapter
+        finds every slot held by adapters in use waits (outside the scheduler) for one."""
         self._validate(request_id, prompt_token_ids, params)
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora!r} asked for, but this engine serves no adapters "
+                                 "(set lora_modules or lora_dynamic_path)")
+            self.lora.adapter(lora)  # read and checked here, on first use, not inside a step
         constraint = self.structured.constraint(params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, lora=lora)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
                                               RequestTimes(arrival=arrival_time or time.monotonic()), constraint,
                                               [] if params.prompt_logprobs is not None else None)
-        self.scheduler.add(seq)
+        if lora is None:
+            self.scheduler.add(seq)
+        else:
+            self._lora_waiting.append(self._requests[request_id])
+            self._admit_lora()
+
+    def _admit_lora(self) -> None:
+        """Hand the requests waiting for an adapter slot to the scheduler, in order, while slots last."""
+        while self._lora_waiting:
+            seq = self._lora_waiting[0].seq
+            slot = self.lora.acquire(seq.lora)
+            if slot is None:
+                return
+            seq.lora_slot = slot
+            self.scheduler.add(self._lora_waiting.pop(0).seq)
+
+    def _release_lora(self, req: _Request) -> None:
+        """The request no longer holds its adapter's slot (finished or aborted)."""
+        if req in self._lora_waiting:
+            self._lora_waiting.remove(req)
+        elif req.seq.lora_slot >= 0:
+            self.lora.release(req.seq.lora)
+            req.seq.lora_slot = -1
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
@@ -167,6 +205,8 @@ class Engine:
         if req is None:
             return
         self.scheduler.finish(req.seq, "abort")
+        if req.seq.lora is not None:
+            self._release_lora(req)
         self._aborted.append(req)
 
     def has_unfinished(self) -> bool:
@@ -184,6 +224,8 @@ class Engine:
         """One forward pass over every scheduled sequence; the new tokens of each request."""
         outputs = [self._final(r, "", [], []) for r in self._aborted]
         self._aborted = []
+        if self._lora_waiting:
+            self._admit_lora()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
@@ -253,6 +295,8 @@ class Engine:
             text += req.detok.flush()  # text held back in case it began a stop string
         del self._requests[seq.request_id]
         self.scheduler.finish(seq, reason)
+        if seq.lora is not None:
+            self._release_lora(req)
         out = self._final(req, text, [tok], [lp] if lp else [], [now])
         out.stop_reason = stop_reason
         if p.attention is not None:  # the explicit recompute, for this request only

@@ -13,6 +13,7 @@ off (by default on the CPU, where nothing is captured). Prefill runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -21,6 +22,7 @@ from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import TokenLogprob
 from model.layers.flex_attention import FlexPagedAttention, flex_supported
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.layers.lora import LoraBatch, LoraState
 from model.layers.paged_attention import paged_decode_attention, paged_prefill_attention, use_fused
 from model.models.transformer import Transformer
 from model.sampling.sampler import SamplingRow, prompt_token_logprobs, sample
@@ -66,6 +68,7 @@ class ModelRunner:
         self.backend = choose_backend(attention_backend, device, cache.block_size)
         self.flex = FlexPagedAttention(cache.num_blocks, cache.block_size, device)
         self.graphs: DecodeGraphs | None = None
+        self.lora: LoraState | None = None  # the engine's, when it serves LoRA adapters
         if enforce_eager is None:  # static buffers pay for themselves only with a graph to replay
             enforce_eager = device.type != "cuda"
         if not enforce_eager and scratch_block is not None:
@@ -108,6 +111,9 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long)
         meta = AttnMetadata(slot_mapping=self._slots(decode + prefill, pos), num_decode=len(decode))
         self.set_kernels(meta)
+        if self.lora is not None:  # each flat row's adapter slot (-1: the base model)
+            meta.lora = LoraBatch.of([s.seq.lora_slot for s in decode + prefill for _ in range(s.num_new_tokens)],
+                                     self.device)
         if decode:
             self._decode_meta(meta, decode)
         offset = len(decode)
@@ -142,10 +148,12 @@ class ModelRunner:
         Sequences whose params ask for `prompt_logprobs` also get, in `prompt_logprobs[request_id]`,
         the logprobs of the prompt tokens this chunk's positions predict (in position order)."""
         tokens, positions, meta, sample_idx = self.prepare(batch)
-        if self.graphs is not None and prompt_logprobs is None and self.graphs.takes(meta):
-            hidden = self.graphs.run(tokens, positions, meta)  # (B, d_model)
-        else:
-            hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
+        with contextlib.nullcontext() if self.lora is None else self.lora.use(meta.lora):
+            # LoRA rows decode eagerly: their grouping by adapter changes from step to step.
+            if self.graphs is not None and prompt_logprobs is None and meta.lora is None and self.graphs.takes(meta):
+                hidden = self.graphs.run(tokens, positions, meta)  # (B, d_model)
+            else:
+                hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
         if prompt_logprobs is not None:
             self._prompt_logprobs(batch, hidden, prompt_logprobs)
         if not sample_idx:

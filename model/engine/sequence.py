@@ -76,6 +76,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
+    # LoRA (model/loading/lora.py): the adapter's name (None: the base model), and its resident
+    # slot in the wrapped layers once the engine has one for it (-1: none).
+    lora: str | None = None
+    lora_slot: int = -1
 
     @property
     def token_ids(self) -> list[int]:

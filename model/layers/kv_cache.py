@@ -48,6 +48,8 @@ class AttnMetadata:
     # An attention-weights capture (model.inspect.attention_maps.AttentionCapture), set only for the
     # explicit recompute of an attention request; None in every serving step.
     capture: Any = None
+    # Which rows use which LoRA adapter slot (model.layers.lora.LoraBatch); None: the base model only.
+    lora: Any = None
     # decode_window_mask's masks, one per sliding-window size in use this step.
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
