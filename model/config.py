@@ -288,6 +288,10 @@ class EngineConfig:
     quantization: Quantization = "none"
     quantization_group_size: int = 128
     quantize_lm_head: bool = False  # also the LM head (the embedding lookup stays full precision)
+    # Speculative decoding (model/engine/spec_decode/): {"method": "ngram", "num_speculative_tokens",
+    # "prompt_lookup_min", "prompt_lookup_max"} or {"method": "draft_model", "model",
+    # "num_speculative_tokens"}, either with "disable_by_batch_size"; None: off.
+    speculative_config: dict | None = None
     # LoRA adapters (model/layers/lora.py): {name: directory or hub id} loaded at start-up; a
     # directory (or hub org) under which `base:adapter` names load on first use; at most `max_loras`
     # resident at once (LRU; adapters with requests in flight stay), each of rank <= `max_lora_rank`.
@@ -298,6 +302,9 @@ class EngineConfig:
     max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        from model.engine.spec_decode.config import SpeculativeConfig  # noqa: PLC0415 (model.engine imports this module)
+
+        SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the bad key
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.block_size < 1:

@@ -102,6 +102,19 @@ class BlockManager:
             self._ref[block] = 1
             seq.block_table.append(block)
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back `seq`'s trailing blocks beyond those its first `num_tokens` tokens need
+        (blocks grown for rejected speculative tokens: never committed, never shared)."""
+        keep = max(blocks_for(num_tokens, self.block_size), seq.num_committed_blocks)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if self._hash_of[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.appendleft(block)
+
     def _take_free(self) -> int:
         if self._free:
             return self._free.popleft()
@@ -187,6 +200,9 @@ class BlockManager:
         tokens another block already caches stays private (freed plainly later)."""
         if not self.enable_prefix_caching:
             return
+        # num_computed_tokens counts accepted tokens only (a speculating sequence's rejected
+        # proposals are rolled back first, Scheduler.verified), so no block holding the K/V of
+        # a rejected token is ever hashed; the hashes come from token_ids, which never hold them.
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if full <= seq.num_committed_blocks:
             return

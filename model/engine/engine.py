@@ -17,6 +17,9 @@ from model.engine.embedder import Embedder
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
+from model.engine.spec_decode.config import SpeculativeConfig
+from model.engine.spec_decode.decoder import SpecDecoder
+from model.engine.spec_decode.draft import DraftProposer
 from model.inspect.attention_maps import capture_attention
 from model.inspect.attention_spec import AttentionShape, check_attention
 from model.layers.kv_cache import KVCache
@@ -45,6 +48,12 @@ class EngineStats:
     num_total_blocks: int
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Speculative decoding totals since start: proposals verified, of them accepted, and per
+    # proposal position (0 = the first after the last token) how many were verified / accepted.
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_drafts_per_position: tuple[int, ...] = ()
+    spec_decode_num_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass
@@ -116,6 +125,8 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(self.tokenizer.eos_token_ids))
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
+        self.spec = _spec_decoder(self.config.speculative_config, cfg.vocab_size, self._eos_ids, num_blocks,
+                                  self.config.block_size, self.device, self.dtype, self.config.attention_backend)
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s", model,
                     self.runtime.device, self.runtime.dtype, num_blocks, self.config.block_size,
                     str(self.kv_cache_dtype).removeprefix("torch."),
@@ -214,9 +225,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.blocks
+        sp = self.spec.stats if self.spec is not None else None
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
                            self.scheduler.num_preemptions, bm.num_free, bm.num_blocks,
-                           bm.stats.queries, bm.stats.hits)
+                           bm.stats.queries, bm.stats.hits,
+                           *((sp.num_draft_tokens, sp.num_accepted_tokens, tuple(sp.drafts_per_position),
+                              tuple(sp.accepted_per_position)) if sp else ()))
 
     # ---- the step -------------------------------------------------------------------
 
@@ -226,6 +240,8 @@ class Engine:
         self._aborted = []
         if self._lora_waiting:
             self._admit_lora()
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
@@ -237,13 +253,63 @@ class Engine:
         rows = [self._row(s.seq) for s in sampling]
         wanted = any(s.seq.params.prompt_logprobs is not None for s in sched.scheduled)
         prompt_lps: dict[str, list[TokenLogprob]] | None = {} if wanted else None
-        tokens, logprobs = self.runner.run(sched.scheduled, rows, prompt_lps)
+        verifying = [s for s in sched.scheduled if s.spec]
+        spec_logits: dict[str, torch.Tensor] | None = {} if verifying else None
+        tokens, logprobs = self.runner.run(sched.scheduled, rows, prompt_lps, spec_logits)
         if prompt_lps:
             self._record_prompt_logprobs(sched.scheduled, prompt_lps)
         self.scheduler.computed(sched)
         now = time.monotonic()
         for s, tok, lp in zip(sampling, tokens, logprobs):
             outputs.append(self._append_token(s, tok, lp, now))
+        if verifying:
+            outputs.extend(self._verify(verifying, spec_logits, now))
+        if self.spec is not None:
+            for out in outputs:
+                if out.finished:
+                    self.spec.release(out.request_id)
+        return outputs
+
+    # ---- speculative decoding (model/engine/spec_decode/) -----------------------------
+
+    def _propose(self) -> None:
+        """Proposals for the running sequences that decode next step and may speculate; none
+        at all when the batch is larger than disable_by_batch_size (verification would cost
+        more than it saves, measured by loadtests/bench_spec_decode.py --backoff)."""
+        running = self.scheduler.running
+        for seq in running:
+            seq.spec_token_ids = []
+        if len(running) > self.spec.config.disable_by_batch_size:
+            return
+        want = []
+        for seq in running:
+            req = self._requests.get(seq.request_id)
+            # Structured outputs (a grammar's state advances token by token) and attention
+            # captures do not speculate; every other request can, exactly.
+            if req is None or req.constraint is not None or seq.params.attention is not None \
+                    or seq.num_uncomputed_tokens != 1:
+                continue
+            room = min(seq.params.max_tokens - len(seq.output_token_ids), self.runtime.max_model_len - seq.num_tokens) - 1
+            if room >= 1:
+                want.append((seq, room))
+        self.spec.propose(want)
+
+    def _verify(self, verifying: list[ScheduledSeq], logits: dict[str, torch.Tensor], now: float) -> list[RequestOutput]:
+        """Keep each speculating sequence's accepted tokens (appended one by one, so a stop
+        string, stop token, EOS or max_tokens inside the run ends it where the plain engine
+        would) and roll the K/V of the rejected ones back."""
+        entries = [(s.seq, s.spec, logits[s.seq.request_id], self._requests[s.seq.request_id].generator)
+                   for s in verifying]
+        outputs = []
+        for s, (toks, lps) in zip(verifying, self.spec.verify(entries, self._row)):
+            outs = []
+            for tok, lp in zip(toks, lps):
+                outs.append(self._append_token(s, tok, lp, now))
+                if s.seq.is_finished:
+                    break
+            if not s.seq.is_finished:
+                self.scheduler.verified(s.seq, len(toks) - 1)
+            outputs.append(_merge(outs))
         return outputs
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], got: dict[str, list[TokenLogprob]]) -> None:
@@ -257,13 +323,15 @@ class Engine:
                 if position == len(kept):
                     kept.append(lp)
 
-    def _row(self, seq: Sequence) -> SamplingRow:
+    def _row(self, seq: Sequence, proposed: list[int] | None = None) -> SamplingRow:
+        """`proposed`: speculative tokens taken as already sampled (the row of a later position)."""
         p = seq.params
+        output = seq.output_token_ids + proposed if proposed else seq.output_token_ids
         suppress: list[int] = []
-        if len(seq.output_token_ids) < p.min_tokens:
+        if len(output) < p.min_tokens:
             suppress = list(p.stop_token_ids) + sorted(self._eos_ids)
         req = self._requests[seq.request_id]
-        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, req.generator, suppress,
+        return SamplingRow(p, seq.prompt_token_ids, output, req.generator, suppress,
                            [req.constraint] if req.constraint is not None else [])
 
     def _append_token(self, s: ScheduledSeq, tok: int, lp: TokenLogprob | None, now: float) -> RequestOutput:
@@ -321,7 +389,32 @@ class Engine:
         return self._delta(req, text, toks, lps, token_times or [])
 
 
+def _spec_decoder(raw: dict | None, vocab: int, eos: frozenset[int], num_blocks: int, block_size: int,
+                  device: torch.device, dtype: torch.dtype, backend: str) -> SpecDecoder | None:
+    config = SpeculativeConfig.parse(raw)
+    if config is None:
+        return None
+    draft = None
+    if config.method == "draft_model":
+        draft = DraftProposer(config.model, vocab, eos, num_blocks, block_size, device, dtype, backend)
+    return SpecDecoder(config, draft)
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One step's deltas of one request (a speculating sequence emits several tokens) as one."""
+    last = outs[-1]
+    if len(outs) > 1:
+        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        last.new_text = "".join(o.new_text for o in outs)
+        last.token_times = [t for o in outs for t in o.token_times]
+        if last.new_logprobs is not None:
+            last.new_logprobs = [lp for o in outs for lp in o.new_logprobs or []]
+        last.prompt_logprobs = outs[0].prompt_logprobs
+    return last
+
+
 def _free_memory(device: torch.device) -> int:
+
     """Bytes of memory free for the KV cache on `device`."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

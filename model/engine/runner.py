@@ -105,7 +105,8 @@ class ModelRunner:
         where: dict[int, int] = {}  # id(ScheduledSeq) -> flat index of its last token
         for s in decode + prefill:
             start = s.seq.num_computed_tokens
-            tokens.extend(s.seq.token_ids[start:start + s.num_new_tokens])
+            ids = s.seq.token_ids + s.spec if s.spec else s.seq.token_ids  # proposals: verified after the last token
+            tokens.extend(ids[start:start + s.num_new_tokens])
             positions.extend(range(start, start + s.num_new_tokens))
             where[id(s)] = len(tokens) - 1
         pos = torch.tensor(positions, dtype=torch.long)
@@ -141,12 +142,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], rows: list[SamplingRow],
-            prompt_logprobs: dict[str, list[TokenLogprob]] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+            prompt_logprobs: dict[str, list[TokenLogprob]] | None = None,
+            spec_logits: dict[str, torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """One forward pass over the batch; one sampled token per sequence that `samples`
         (`rows` gives their sampling state, in `batch` order).
 
         Sequences whose params ask for `prompt_logprobs` also get, in `prompt_logprobs[request_id]`,
-        the logprobs of the prompt tokens this chunk's positions predict (in position order)."""
+        the logprobs of the prompt tokens this chunk's positions predict (in position order).
+        Speculating sequences (`ScheduledSeq.spec`) get the logits (1 + k, vocab) of each of their
+        positions in `spec_logits[request_id]`, through the same per-chunk path."""
         tokens, positions, meta, sample_idx = self.prepare(batch)
         with contextlib.nullcontext() if self.lora is None else self.lora.use(meta.lora):
             # LoRA rows decode eagerly: their grouping by adapter changes from step to step.
@@ -154,21 +158,24 @@ class ModelRunner:
                 hidden = self.graphs.run(tokens, positions, meta)  # (B, d_model)
             else:
                 hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
-        if prompt_logprobs is not None:
-            self._prompt_logprobs(batch, hidden, prompt_logprobs)
+        if prompt_logprobs is not None or spec_logits is not None:
+            self._prompt_logprobs(batch, hidden, prompt_logprobs, spec_logits)
         if not sample_idx:
             return [], []
         logits = self.model.compute_logits(hidden[sample_idx])  # (B_s, vocab)
         return sample(logits, rows)
 
     def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor,
-                         out: dict[str, list[TokenLogprob]]) -> None:
+                         out: dict[str, list[TokenLogprob]] | None,
+                         spec_out: dict[str, torch.Tensor] | None = None) -> None:
         decode, prefill = _split(batch)  # the flat layout prepare() built
         flat = 0
         for s in decode + prefill:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            if s.spec and spec_out is not None:
+                spec_out[seq.request_id] = self.model.compute_logits(hidden[flat:flat + n])  # (1 + k, vocab)
             stop = min(start + n, seq.num_prompt_tokens - 1)  # positions that predict a prompt token
-            if seq.params.prompt_logprobs is not None and start < stop:
+            if out is not None and seq.params.prompt_logprobs is not None and start < stop:
                 logits = self.model.compute_logits(hidden[flat:flat + stop - start])  # (P, vocab)
                 targets = seq.prompt_token_ids[start + 1:stop + 1]
                 out[seq.request_id] = prompt_token_logprobs(logits, targets, seq.params.prompt_logprobs)

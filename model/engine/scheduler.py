@@ -23,6 +23,9 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    # Speculative decoding: proposals verified after the last token (num_new_tokens is then
+    # 1 + len(spec)); the engine samples such a sequence itself, so `samples` is False for it.
+    spec: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -74,6 +77,11 @@ class Scheduler:
             if self.recompute_all:
                 seq.num_computed_tokens = 0
             n = min(seq.num_uncomputed_tokens, budget)
+            spec, seq.spec_token_ids = seq.spec_token_ids, []
+            if spec and self._schedule_spec(seq, spec, budget, out, len(self.running) - i - 1):
+                budget -= 1 + len(spec)
+                i += 1
+                continue
             while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -86,6 +94,28 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _schedule_spec(self, seq: Sequence, spec: list[int], budget: int, out: SchedulerOutput, after: int) -> bool:
+        """Schedule a decoding `seq` with its proposals when budget and free blocks allow, leaving
+        a block for each of the `after` running sequences behind it (proposals never cause a
+        preemption); False: it decodes as usual."""
+        n = 1 + len(spec)
+        if seq.num_uncomputed_tokens != 1 or n > budget:
+            return False
+        if self.blocks.blocks_needed(seq, seq.num_computed_tokens + n) > self.blocks.num_free - after:
+            return False
+        self.blocks.grow(seq, seq.num_computed_tokens + n)
+        out.scheduled.append(ScheduledSeq(seq, n, spec))
+        return True
+
+    def verified(self, seq: Sequence, num_accepted: int) -> None:
+        """After verifying a speculating `seq` (its accepted tokens already in output_token_ids):
+        the K/V of its last token and the `num_accepted` proposals kept are computed, the rest
+        are discarded. Only those are committed (hashed), and blocks beyond what the next token
+        needs are given back."""
+        seq.num_computed_tokens += 1 + num_accepted
+        self.blocks.shrink(seq, seq.num_tokens)
+        self.blocks.commit(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -136,6 +166,8 @@ class Scheduler:
         """After the forward pass: the scheduled tokens are in the cache; their full blocks
         become shareable."""
         for s in out.scheduled:
+            if s.spec:
+                continue  # the engine calls verified() once it knows how many were accepted
             s.seq.num_computed_tokens += s.num_new_tokens
             self.blocks.commit(s.seq)
 

@@ -76,6 +76,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding (model/engine/spec_decode/): tokens proposed after token_ids for the
+    # scheduler to verify this step; never part of token_ids (nor of any block hash).
+    spec_token_ids: list[int] = field(default_factory=list)
     # LoRA (model/loading/lora.py): the adapter's name (None: the base model), and its resident
     # slot in the wrapped layers once the engine has one for it (-1: none).
     lora: str | None = None

@@ -96,8 +96,10 @@ def _sample_rows(probs: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -
     return out
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits (B, V) -> one token id per row, and its logprobs where the row asked for them."""
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits (B, V) -> float32 logits after each row's processors, penalties, bias and
+    suppressed ids: what greedy argmax, temperature sampling and logprobs all start from
+    (speculative verification reuses it, model/engine/spec_decode/)."""
     logits = logits.float()
     for i, r in enumerate(rows):
         for process in r.logits_processors:
@@ -109,6 +111,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     for i, r in enumerate(rows):
         if r.suppress_ids:
             _suppress(logits[i], r)
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits (B, V) -> one token id per row, and its logprobs where the row asked for them."""
+    logits = process_logits(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     tokens: dict[int, int] = {}
@@ -119,10 +127,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if random_rows:
         tokens.update(_sample_random(logits, rows, random_rows))
     token_list = [tokens[i] for i in range(len(rows))]
-    return token_list, _logprobs(logits, rows, token_list)
+    return token_list, token_logprobs(logits, rows, token_list)
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> dict[int, int]:
+    probs = sampling_probs(logits, rows, idx)
+    local = _sample_rows(probs, [rows[i] for i in idx], list(range(len(idx))))
+    return {idx[j]: tok for j, tok in local.items()}
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:
+    """The distribution (len(idx), V) that rows `idx` (not greedy) sample from: processed logits
+    (`process_logits`) over temperature, then top-k / top-p."""
     sub = logits[idx] / torch.tensor([rows[i].params.temperature for i in idx])[:, None]
     vocab = sub.shape[1]
     # A top_k beyond the vocabulary keeps everything (and must not overflow int64).
@@ -130,12 +146,11 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]
     top_p = torch.tensor([rows[i].params.top_p for i in idx], dtype=sub.dtype)
     if bool((top_k < vocab).any() or (top_p < 1.0).any()):
         sub = _top_k_top_p(sub, top_k, top_p)
-    probs = torch.softmax(sub, dim=-1)
-    local = _sample_rows(probs, [rows[i] for i in idx], list(range(len(idx))))
-    return {idx[j]: tok for j, tok in local.items()}
+    return torch.softmax(sub, dim=-1)
 
 
-def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[TokenLogprob | None]:
+def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[TokenLogprob | None]:
+    """Each row's logprob of `tokens[i]` (and its top-N) from processed logits, where the row asks."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     out: list[TokenLogprob | None] = [None] * len(rows)
     if not want:
