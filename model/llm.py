@@ -61,23 +61,26 @@ class LLM:
         return self.engine.generation_config.default_sampling_params()
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[CompletionOutput]:
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora: str | Seq[str | None] | None = None) -> list[CompletionOutput]:
         """Generate for every prompt (a string or a list of token ids); `params` is one
         `SamplingParams` for all prompts or one per prompt (None: `get_default_sampling_params()`).
-        Outputs come in prompt order."""
+        `lora`: a LoRA adapter's name (EngineConfig.lora_modules, or `base:adapter`) for all prompts
+        or one per prompt (None: the base model). Outputs come in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         outs: dict[str, CompletionOutput] = {}
         order = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, adapter in zip(prompts, params, loras, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p)
+                self.engine.add_request(rid, ids, p, lora=adapter)
                 outs[rid] = CompletionOutput(ids, logprobs=[] if p.logprobs is not None else None)
                 order.append(rid)
         except Exception:

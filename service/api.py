@@ -176,6 +176,11 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
             return await serving.chat(await read_model(request, ChatCompletionRequest, limit))
         return await respond(work())
 
+    def adapter_card(name: str) -> dict[str, Any]:
+        info = serving.info
+        return {"id": name, "object": "model", "created": created, "owned_by": "qkv-serve",
+                "parent": info.served_model_name, "root": info.served_model_name, "max_model_len": info.max_model_len}
+
     def model_card() -> dict[str, Any]:
         info = serving.info
         return {"id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
@@ -187,13 +192,14 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        adapters = [adapter_card(name) for name in serving.info.lora_adapters]  # LoRA adapters over the model
+        return JSONResponse({"object": "list", "data": [model_card(), *adapters]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model_by_id(model_id: str) -> Response:
         async def work() -> Any:
             serving.check_model(model_id)
-            return model_card()
+            return adapter_card(model_id) if serving.adapter_of(model_id) else model_card()
         return await respond(work())
 
     @app.post("/tokenize")

@@ -65,6 +65,12 @@ class AppArgs(BaseModel):
     quantization: Literal["none", "int8", "int4"] = "none"
     quantization_group_size: Literal[32, 64, 128] = 128  # int4: input columns per scale
     quantize_lm_head: bool = False
+    # LoRA adapters, chosen by `model`: {name: directory or hub id}, and a directory (or hub org) under
+    # which `<served name>:<adapter>` loads on first use; per replica at most max_loras resident (LRU)
+    lora_modules: dict[str, str] | None = None
+    lora_dynamic_path: str | None = None
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
     prefix_aware_routing: bool = True  # with prefix caching: a shared prefix goes to the replica holding it
@@ -101,7 +107,8 @@ class AppArgs(BaseModel):
                                               "kv_cache_bytes", "num_kv_blocks", "max_model_len",
                                               "enable_prefix_caching", "kv_cache_dtype", "attention_backend",
                                               "enforce_eager", "quantization", "quantization_group_size",
-                                              "quantize_lm_head")}
+                                              "quantize_lm_head", "lora_modules", "lora_dynamic_path", "max_loras",
+                                              "max_lora_rank")}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between steps.

@@ -127,6 +127,13 @@ class EngineStream:
                 self._host.metrics.observe_abort(len(r.prompt_token_ids))
 
 
+def _lora_info(lora: Any) -> dict[str, Any]:
+    """ModelInfo's LoRA fields from the engine's `LoraManager` (None: no adapters)."""
+    if lora is None:
+        return {}
+    return {"lora_adapters": tuple(lora.names()), "lora_dynamic": lora.dynamic_path is not None}
+
+
 class EngineHost:
     """An `Engine` on its step thread, its metrics and its watchdog; no Ray deployment logic,
     so the HTTP edge can be tested over it directly. Create it on the event loop that will
@@ -138,6 +145,8 @@ class EngineHost:
         self.stream_interval_s = stream_interval_s  # each stream reads at most this often (0: as it comes)
         self.served_model_name = served_model_name
         self.stall_timeout_s = stall_timeout_s
+        if getattr(engine, "lora", None) is not None:  # `<served name>:<adapter>` names a dynamic adapter
+            engine.lora.base_names.add(served_model_name)
         self.metrics = metrics if metrics is not None else EngineMetrics(served_model_name)
         self.loop = EngineLoop(engine)
         self.loop.start()
@@ -164,6 +173,7 @@ class EngineHost:
             generation_config=self.engine.generation_config,
             attention=self.engine.attention_shape,
             quantization=scheme.describe() if scheme else None,
+            **_lora_info(getattr(self.engine, "lora", None)),
         )
 
     def problem(self) -> str | None:

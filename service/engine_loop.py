@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.engine.sequence import RequestOutput
+from model.loading.lora import LoraNotFoundError
 from model.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class SubRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: str | None = None  # the LoRA adapter the request runs under (None: the base model)
 
 
 @dataclass
@@ -241,9 +243,10 @@ class EngineLoop:
                 _call(*payload)
                 continue
             try:
-                self._engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params)
+                lora = {"lora": payload.lora} if payload.lora is not None else {}
+                self._engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params, **lora)
             except ValueError as exc:  # the HTTP edge checks first; this is the last line
-                sink.put_threadsafe(EngineFailure(400, str(exc)))
+                sink.put_threadsafe(EngineFailure(404 if isinstance(exc, LoraNotFoundError) else 400, str(exc)))
                 continue
             self._sinks[payload.request_id] = sink
 

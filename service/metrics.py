@@ -49,12 +49,15 @@ class EngineMetrics:
                                    "Prompt tokens found in the prefix cache (their K/V not recomputed).", _MODEL)
         self.running = Gauge("qkv_num_requests_running", "Requests in the running batch.", _MODEL)
         self.waiting = Gauge("qkv_num_requests_waiting", "Requests waiting to be scheduled.", _MODEL)
+        self.lora_loaded = Gauge("qkv_lora_adapters_loaded", "LoRA adapters resident in this replica.", _MODEL)
+        self.lora_loads = Counter("qkv_lora_adapter_loads_total", "LoRA adapters loaded into a slot.", _MODEL)
         self.kv_usage = Gauge("qkv_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", _MODEL)
         for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
                        self.success, self.preemptions, self.running, self.waiting, self.kv_usage,
-                       self.prefix_queries, self.prefix_hits):
+                       self.prefix_queries, self.prefix_hits, self.lora_loaded, self.lora_loads):
             metric.set_default_tags(dict(tags))
-        self._seen = {"num_preemptions_total": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._seen = {"num_preemptions_total": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                      "lora_adapter_loads": 0}
         self._unreported_tokens = 0  # generated tokens observed since the last refresh
 
     def observe(self, out: RequestOutput, last_token_time: float | None) -> float | None:
@@ -108,10 +111,12 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.lora_loaded.set(getattr(stats, "lora_adapters_loaded", 0))
         # The engine keeps running totals; the counters get what was added since the last refresh.
         for name, counter in (("num_preemptions_total", self.preemptions),
-                              ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
-            total = getattr(stats, name)
+                              ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                              ("lora_adapter_loads", self.lora_loads)):
+            total = getattr(stats, name, 0)
             if total > self._seen[name]:
                 counter.inc(total - self._seen[name])
             self._seen[name] = total

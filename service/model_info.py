@@ -21,3 +21,5 @@ class ModelInfo:
     generation_config: GenerationConfig  # sampling defaults for fields a request does not set
     attention: Any = None  # model.inspect.attention_spec.AttentionShape: checks /v1/attention requests
     quantization: dict[str, Any] | None = None  # the weights' scheme (method, bits, group_size, ...); None: full precision
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters chosen by `model` (model/loading/lora.py)
+    lora_dynamic: bool = False  # `<served name>:<adapter>` loads an adapter on first use

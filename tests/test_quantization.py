@@ -166,13 +166,13 @@ def test_the_lm_head_is_quantized_when_asked(family, llama_dir, qwen2_dir) -> No
 # ---- the engine: alone, in a batch of 16, under preemption ----------------------------------
 
 def _greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    return SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def _others(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randint(1, 16), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99),
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 24))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(99),
                              ignore_eos=True) for _ in range(n)]
     return prompts, params
 
@@ -371,6 +371,11 @@ def test_bad_arguments_are_refused(llama_dir, tmp_path) -> None:
 # ---- the service ------------------------------------------------------------------------------
 
 def test_service_serves_int8_and_says_so(llama_dir) -> None:
+    from service.app import AppArgs
+
+    args = AppArgs(model=str(llama_dir), quantization="int4", quantization_group_size=64, quantize_lm_head=True)
+    config = EngineConfig(**args.engine_config())  # the app's arguments reach the engine's config
+    assert (config.quantization, config.quantization_group_size, config.quantize_lm_head) == ("int4", 64, True)
     engine = Engine(str(llama_dir), EngineConfig(quantization="int8", num_kv_blocks=64), device="cpu")
     expected = LLM(str(llama_dir), device="cpu", quantization="int8").generate([[1, 2, 3]], SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids

@@ -54,6 +54,9 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_drafts_per_position: tuple[int, ...] = ()
     spec_decode_num_accepted_per_position: tuple[int, ...] = ()
+    lora_adapters_loaded: int = 0  # LoRA adapters resident in a slot now
+    lora_adapter_loads: int = 0  # adapters put into a slot, since start
+    lora_adapter_evictions: int = 0
 
 
 @dataclass
@@ -230,7 +233,10 @@ class Engine:
                            self.scheduler.num_preemptions, bm.num_free, bm.num_blocks,
                            bm.stats.queries, bm.stats.hits,
                            *((sp.num_draft_tokens, sp.num_accepted_tokens, tuple(sp.drafts_per_position),
-                              tuple(sp.accepted_per_position)) if sp else ()))
+                              tuple(sp.accepted_per_position)) if sp else ()),
+                           **({} if self.lora is None else {
+                               "lora_adapters_loaded": len(self.lora.slot_of), "lora_adapter_loads": self.lora.num_loads,
+                               "lora_adapter_evictions": self.lora.num_evictions}))
 
     # ---- the step -------------------------------------------------------------------
 

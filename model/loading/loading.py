@@ -12,6 +12,7 @@ from torch import nn
 from model.config import PRESETS, ModelConfig
 from model.loading.generation_config import GenerationConfig, load_generation_config
 from model.loading.hub import resolve_model_dir
+from model.layers.linear.kernel import kernel_available
 from model.loading.quantize import QuantScheme, quantize_head, swap_linears
 from model.loading.tokenizer import Tokenizer, load_tokenizer
 from model.models.registry import build_model
@@ -127,4 +128,6 @@ def load_weights(model: str, dtype: torch.dtype, device: torch.device, revision:
                               quantize_lm_head=quantize_lm_head)
         tokenizer = load_tokenizer(model, cfg.vocab_size)
         generation = load_generation_config(model)
+    if device.type == "cpu" and getattr(net, "quant_scheme", None) is not None:
+        kernel_available()  # build the quantized-matmul kernel now (a minute or two), not on the first request
     return cfg, net.eval(), tokenizer, generation

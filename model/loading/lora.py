@@ -43,6 +43,10 @@ class LoraError(ValueError):
     """An adapter that cannot be served on this base model; the message says why."""
 
 
+class LoraNotFoundError(LoraError):
+    """An adapter name that is neither registered nor found under lora_dynamic_path (HTTP 404)."""
+
+
 @dataclass(frozen=True)
 class LoraAdapter:
     """A loaded adapter: per our module name, A (r, in) and B * scale (out, r), on the CPU."""
@@ -150,7 +154,8 @@ class LoraManager:
                  dynamic_path: str | None, max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
         from model.layers.lora import wrap_lora
 
-        self.base_name, self.dynamic_path = base_name, dynamic_path
+        # The names `base:adapter` may use for the base model (the service adds its served name).
+        self.base_names, self.dynamic_path = {base_name}, dynamic_path
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.modules = hf_module_names(base_dir, model)
         self.state, self.layers = wrap_lora(model, max_loras, max_rank)
@@ -172,7 +177,7 @@ class LoraManager:
         if name in self.sources:
             return self.sources[name]
         base, sep, adapter = name.partition(":")
-        if not sep or base != self.base_name or not adapter or self.dynamic_path is None:
+        if not sep or base not in self.base_names or not adapter or self.dynamic_path is None:
             return None
         if "/" in adapter or "\\" in adapter or adapter.startswith("."):
             raise LoraError(f"adapter name {adapter!r} must be a plain name under lora_dynamic_path")
@@ -185,8 +190,10 @@ class LoraManager:
         if name not in self.adapters:
             source = self.source_of(name)
             if source is None:
-                raise LoraError(f"unknown LoRA adapter {name!r}: known are {sorted(self.sources) or 'none'}"
-                                + (f", or {self.base_name}:<adapter> under {self.dynamic_path}" if self.dynamic_path else ""))
+                raise LoraNotFoundError(f"unknown LoRA adapter {name!r}: known are {sorted(self.sources) or 'none'}"
+                                        + (f", or <base>:<adapter> under {self.dynamic_path}" if self.dynamic_path else ""))
+            if name not in self.sources and os.path.isdir(self.dynamic_path) and not os.path.isdir(source):
+                raise LoraNotFoundError(f"unknown LoRA adapter {name!r}: {source} is not a directory")
             self.adapters[name] = load_adapter(name, source, self.modules, self.layers, self.max_rank, self.dtype)
             self.sources.setdefault(name, source)
         return self.adapters[name]

@@ -111,11 +111,22 @@ class OpenAIServing:
     # ---- checks -----------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        """No model means the served one; any other name is a 404."""
-        if model is not None and model != self.info.served_model_name:
+        """No model means the served one; a LoRA adapter's name (or `<served>:<adapter>` with dynamic
+        loading, found or not by the engine) is served too; any other name is a 404."""
+        if model is not None and model != self.info.served_model_name and self.adapter_of(model) is None:
             raise APIError(f"The model '{model}' does not exist; this server serves "
                            f"'{self.info.served_model_name}'.", 404, "invalid_request_error", "model",
                            "model_not_found")
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, or None (the base model, or no adapter of that name)."""
+        info = self.info
+        if model is None or model == info.served_model_name:
+            return None
+        if model in info.lora_adapters:
+            return model
+        base, sep, adapter = model.partition(":")
+        return model if info.lora_dynamic and sep and base == info.served_model_name and adapter else None
 
     def token_ids(self, prompt: Prompt, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids; a chat prompt passes add_special_tokens=False: its template writes them."""
@@ -152,7 +163,8 @@ class OpenAIServing:
                 check_request(ids, choices[0], self.info.vocab_size, self.info.max_model_len, param)
             except ValueError as exc:
                 raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
-            subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params) for j, params in enumerate(choices))
+            lora = self.adapter_of(req.model)
+            subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params, lora) for j, params in enumerate(choices))
         if subs:
             _check_constraint(req, subs[0].params)
         return subs
