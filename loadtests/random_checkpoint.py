@@ -29,6 +29,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "hidden_act": "silu", "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
         "max_window_layers": 24, "bos_token_id": 151643, "eos_token_id": 151643,
     },
+    "gemma3-1b-shape": {  # google/gemma-3-1b-pt (text): 1.0B parameters, MQA 4:1, head_dim 256, 5:1 local/global
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+        "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 512,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    },
     "tiny-llama-shape": {  # a few MB: smoke runs of the benchmark
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 344,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
