@@ -112,6 +112,19 @@ def int4_reference(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     return q.reshape(n, k), ((q - z) * s).reshape(n, k)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantizing_by_blocks_of_rows_equals_the_whole_matrix(bits, monkeypatch) -> None:
+    import model.layers.linear.quantized as quantized
+
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(9))
+    monkeypatch.setattr(quantized, "_BLOCK_ELEMENTS", 64 * 7)  # blocks of 7 rows
+    layer = QuantizedLinear(64, 300, bits, 64 if bits == 8 else 32, False, has_offsets=bits == 4)
+    layer.quantize_from(w)
+    codes, ref = int8_reference(w) if bits == 8 else int4_reference(w, 32)
+    assert torch.equal(layer.codes().float(), codes)
+    assert rel_err(layer.dequantized_weight(), ref) < 1e-6
+
+
 ON_THE_FLY = {"llama-int8": ("llama", "int8", 128), "llama-int4-g32": ("llama", "int4", 32),
               "transformer-int8": ("transformer", "int8", 128), "transformer-int4-g64": ("transformer", "int4", 64)}
 

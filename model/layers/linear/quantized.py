@@ -100,35 +100,40 @@ class QuantizedLinear(nn.Module):
 
     @torch.no_grad()
     def set_codes(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                  perm: torch.Tensor | None = None) -> None:
-        """Fill from codes (N, K) in group order (columns `perm` of the input when act-order),
-        scales (N, G) and zero points (N, G) or None (8-bit symmetric, signed codes):
-        W = (codes - zeros) * scales."""
+                  perm: torch.Tensor | None = None, rows: slice = slice(None)) -> None:
+        """Fill `rows` (default all) from codes (n, K) in group order (columns `perm` of the input
+        when act-order), scales (n, G) and zero points (n, G) or None (8-bit symmetric, signed
+        codes): W = (codes - zeros) * scales."""
         scales = scales.float()
         if self.bits == 8:
             if zeros is None:
-                self.qweight.copy_(codes.to(torch.int8))
+                self.qweight[rows] = codes.to(torch.int8)
             else:  # unsigned 0..255 codes stored as signed: q - 128, and the offset moves by 128 * s
-                self.qweight.copy_((codes.to(torch.int16) - 128).to(torch.int8))
+                self.qweight[rows] = (codes.to(torch.int16) - 128).to(torch.int8)
                 zeros = zeros.float() - 128
         else:
-            self.qweight.copy_(pack_int4(codes))
-        self.scales.copy_(scales)
+            self.qweight[rows] = pack_int4(codes)
+        self.scales[rows] = scales
         if self.offsets is not None:
-            self.offsets.copy_(-zeros.float() * scales if zeros is not None else torch.zeros_like(scales))
+            self.offsets[rows] = -zeros.float() * scales if zeros is not None else torch.zeros_like(scales)
         if self.perm is not None:
             self.perm.copy_(perm)
         self._tinygemm = None
 
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor) -> None:
-        """Quantize a float weight (N, K) into this layer (int8 symmetric or int4 asymmetric)."""
-        if self.bits == 8:
-            q, scales = quantize_int8(weight)
-            self.set_codes(q, scales, None)
-        else:
-            codes, scales, zeros = quantize_int4(weight, self.group_size)
-            self.set_codes(codes, scales, zeros)
+        """Quantize a float weight (N, K) into this layer (int8 symmetric or int4 asymmetric), a
+        block of rows at a time so that the float32 temporaries stay small (a vocabulary-sized
+        LM head is hundreds of MB)."""
+        step = max(1, _BLOCK_ELEMENTS // self.in_features)
+        for r0 in range(0, self.out_features, step):
+            rows = slice(r0, min(self.out_features, r0 + step))
+            if self.bits == 8:
+                q, scales = quantize_int8(weight[rows])
+                self.set_codes(q, scales, None, rows=rows)
+            else:
+                codes, scales, zeros = quantize_int4(weight[rows], self.group_size)
+                self.set_codes(codes, scales, zeros, rows=rows)
 
     def codes(self) -> torch.Tensor:
         """(N, K) codes as stored (group order), int16."""
