@@ -13,9 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
-	# Build the fused paged-attention kernel now rather than on the first request (about a
-	# minute; without a compiler the engine logs a warning and uses the gather path).
+	# Build the fused paged-attention and quantized-matmul kernels now rather than on first use (about a
+	# minute each; without a compiler the engine logs a warning and uses the gather path).
 	$(PY) -c "import model.layers.paged_attention as p; p.kernel_available()"
+	$(PY) -c "import model.layers.linear.kernel as k; k.kernel_available()"
 	touch $@
 
 install: $(VENV)/.installed
