@@ -65,6 +65,9 @@ class AppArgs(BaseModel):
     quantization: Literal["none", "int8", "int4"] = "none"
     quantization_group_size: Literal[32, 64, 128] = 128  # int4: input columns per scale
     quantize_lm_head: bool = False
+    # speculative decoding: {"method": "ngram" | "draft_model", "num_speculative_tokens", ...}
+    # (model/engine/spec_decode/config.py); None: off
+    speculative_config: dict[str, Any] | None = None
     # LoRA adapters, chosen by `model`: {name: directory or hub id}, and a directory (or hub org) under
     # which `<served name>:<adapter>` loads on first use; per replica at most max_loras resident (LRU)
     lora_modules: dict[str, str] | None = None
@@ -108,7 +111,7 @@ class AppArgs(BaseModel):
                                               "enable_prefix_caching", "kv_cache_dtype", "attention_backend",
                                               "enforce_eager", "quantization", "quantization_group_size",
                                               "quantize_lm_head", "lora_modules", "lora_dynamic_path", "max_loras",
-                                              "max_lora_rank")}
+                                              "max_lora_rank", "speculative_config")}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between steps.

@@ -47,6 +47,13 @@ class EngineMetrics:
                                       "Prompt tokens looked up in the prefix cache.", _MODEL)
         self.prefix_hits = Counter("qkv_prefix_cache_hits_total",
                                    "Prompt tokens found in the prefix cache (their K/V not recomputed).", _MODEL)
+        self.spec_drafts = Counter("qkv_spec_decode_num_draft_tokens_total",
+                                   "Speculative tokens proposed and verified.", _MODEL)
+        self.spec_accepted = Counter("qkv_spec_decode_num_accepted_tokens_total",
+                                     "Speculative tokens accepted by the target model.", _MODEL)
+        self.spec_rate = Gauge("qkv_spec_decode_acceptance_rate_per_position",
+                               "Accepted / proposed speculative tokens since start, per proposal position.",
+                               _MODEL + ("position",))
         self.running = Gauge("qkv_num_requests_running", "Requests in the running batch.", _MODEL)
         self.waiting = Gauge("qkv_num_requests_waiting", "Requests waiting to be scheduled.", _MODEL)
         self.lora_loaded = Gauge("qkv_lora_adapters_loaded", "LoRA adapters resident in this replica.", _MODEL)
@@ -56,9 +63,12 @@ class EngineMetrics:
                        self.success, self.preemptions, self.running, self.waiting, self.kv_usage,
                        self.prefix_queries, self.prefix_hits, self.lora_loaded, self.lora_loads):
             metric.set_default_tags(dict(tags))
+        for metric in (self.spec_drafts, self.spec_accepted, self.spec_rate):
+            metric.set_default_tags(dict(tags))
         self._seen = {"num_preemptions_total": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                       "lora_adapter_loads": 0}
         self._unreported_tokens = 0  # generated tokens observed since the last refresh
+        self._spec_seen = [0, 0]  # speculative tokens proposed / accepted at the last refresh
 
     def observe(self, out: RequestOutput, last_token_time: float | None) -> float | None:
         """Record one output delta; returns the time of its last token, which the caller passes
@@ -120,3 +130,18 @@ class EngineMetrics:
             if total > self._seen[name]:
                 counter.inc(total - self._seen[name])
             self._seen[name] = total
+        self._refresh_spec(stats)
+
+    def _refresh_spec(self, stats: object) -> None:
+        """Speculative decoding: the two token counters, and the acceptance rate per position."""
+        drafts = getattr(stats, "spec_decode_num_draft_tokens", 0)
+        accepted = getattr(stats, "spec_decode_num_accepted_tokens", 0)
+        for i, (counter, total) in enumerate(((self.spec_drafts, drafts), (self.spec_accepted, accepted))):
+            if total > self._spec_seen[i]:
+                counter.inc(total - self._spec_seen[i])
+            self._spec_seen[i] = total
+        per_position = zip(getattr(stats, "spec_decode_num_drafts_per_position", ()),
+                           getattr(stats, "spec_decode_num_accepted_per_position", ()))
+        for pos, (d, a) in enumerate(per_position):
+            if d:
+                self.spec_rate.set(a / d, tags={"position": str(pos)})
