@@ -162,8 +162,9 @@ def _position_counts(p: torch.Tensor, q: torch.Tensor | None, fixed: list[int] |
     gen = torch.Generator().manual_seed(1)
     k, vocab = p.shape[0] - 1, p.shape[1]
     counts = [torch.zeros(vocab) for _ in range(k + 1)]
-    for _ in range(n):
-        props = fixed if q is None else [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(k)]
+    drawn = None if q is None else torch.stack([torch.multinomial(q[j], n, True, generator=gen) for j in range(k)], 1)
+    for i in range(n):
+        props = fixed if drawn is None else drawn[i].tolist()
         for j, tok in enumerate(rejection_sample(p, props, q, gen)):
             counts[j][tok] += 1
     return counts

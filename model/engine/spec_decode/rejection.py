@@ -27,20 +27,23 @@ def rejection_sample(p: torch.Tensor, proposals: list[int], q: torch.Tensor | No
     """p (1 + k, V): the target's sampling distribution at each position; q (k, V) the draft's,
     None for point masses at the proposals -> the tokens emitted (accepted proposals, then one
     drawn from the residual or the bonus distribution)."""
+    k = len(proposals)
     out: list[int] = []
-    for j, x in enumerate(proposals):
-        px = float(p[j, x])
-        qx = float(q[j, x]) if q is not None else 1.0
-        u = float(torch.rand((), generator=generator, device=p.device))
-        if u * qx < px:  # u < p/q, without dividing by a tiny q
-            out.append(x)
-            continue
-        residual = (p[j] - q[j]).clamp_(min=0.0) if q is not None else p[j].clone()
-        if q is None:
-            residual[x] = 0.0
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had probability ~0
-            residual = p[j]
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(p[len(proposals)], 1, generator=generator)))
+    if k:
+        rows, cols = torch.arange(k, device=p.device), torch.tensor(proposals, device=p.device)
+        px = p[rows, cols].tolist()
+        qx = q[rows, cols].tolist() if q is not None else [1.0] * k
+        us = torch.rand(k, generator=generator, device=p.device).tolist()
+        for j, x in enumerate(proposals):
+            if us[j] * qx[j] < px[j]:  # u < p/q, without dividing by a tiny q
+                out.append(x)
+                continue
+            residual = (p[j] - q[j]).clamp_(min=0.0) if q is not None else p[j].clone()
+            if q is None:
+                residual[x] = 0.0
+            if float(residual.sum()) <= 0.0:  # p == q up to rounding: rejection had probability ~0
+                residual = p[j]
+            out.append(int(torch.multinomial(residual, 1, generator=generator)))
+            return out
+    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
     return out
