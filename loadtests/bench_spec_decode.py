@@ -112,7 +112,7 @@ def backoff(args) -> list[dict]:
         rng = random.Random(b)
         for i in range(b):
             eng.add_request(str(i), [rng.randrange(eng.model_config.vocab_size) for _ in range(64)],
-                            SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+                            SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
         while any(s.num_uncomputed_tokens != 1 for s in eng.scheduler.running) or len(eng.scheduler.running) < b:
             eng.step()
         seqs = list(eng.scheduler.running)
@@ -137,7 +137,7 @@ def backoff(args) -> list[dict]:
                 t0 = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - t0)
-            times[name] = sorted(samples)[len(samples) // 2]
+            times[name] = min(samples)  # the least disturbed run: the CPU is shared
         ratio = times["verify"] / times["decode"]
         rows.append({"batch": b, "k": k, "decode_ms": times["decode"] * 1e3, "verify_ms": times["verify"] * 1e3,
                      "ratio": ratio})

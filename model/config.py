@@ -244,6 +244,9 @@ PRESETS: dict[str, ModelConfig] = {
     # The paper's base model: d_model 512, h 8, d_k = d_v = 64, d_ff 2048, N 6.
     "transformer-base": ModelConfig(),
     "transformer-base-additive": ModelConfig(attention="additive"),
+    # The shape of a speculative-decoding draft for transformer-base (2 layers of d_model 256, the
+    # same byte vocabulary): train it with model.training.train --preset transformer-draft-small.
+    "transformer-draft-small": ModelConfig(d_model=256, n_heads=4, n_layers=2, d_ff=1024),
     # GPT-2 small shape (124M parameters), random weights: benchmarks only.
     "gpt2-small-random": ModelConfig(
         vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072,

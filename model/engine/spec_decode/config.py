@@ -10,7 +10,7 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 # Speculation is off for a step whose running batch is larger than this (measured on the CPU with
 # loadtests/bench_spec_decode.py --backoff; see the README's speculative-decoding section).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
