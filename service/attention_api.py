@@ -86,6 +86,9 @@ class AttentionServing:
     async def attention(self, req: AttentionRequest) -> dict[str, Any]:
         serving = self.serving
         serving.check_model(req.model)
+        if serving.adapter_of(req.model) is not None:
+            raise APIError(f"attention maps come from the base model '{serving.info.served_model_name}', not a "
+                           f"LoRA adapter; got model '{req.model}'", param="model")
         shape = serving.info.attention
         if req.messages is not None:
             text = serving.chat_template.render(req.messages, req.add_generation_prompt)

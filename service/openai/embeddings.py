@@ -230,6 +230,9 @@ class EmbeddingServing:
     async def embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
         s = self.serving
         s.check_model(req.model)
+        if s.adapter_of(req.model) is not None:
+            raise APIError(f"embeddings come from the base model '{s.info.served_model_name}', not a LoRA adapter; "
+                           f"got model '{req.model}'", param="model")
         if (name := req.unsupported_field()) is not None:
             raise APIError(f"{name} is not supported by this server; leave it out", param=name)
         embedder = self._embedder()
