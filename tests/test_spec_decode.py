@@ -261,6 +261,21 @@ def test_counters_and_backoff(models) -> None:
     assert sum(st.spec_decode_num_accepted_per_position) == st.spec_decode_num_accepted_tokens
     assert sum(st.spec_decode_num_drafts_per_position) == st.spec_decode_num_draft_tokens
     assert all(a <= d for a, d in zip(st.spec_decode_num_accepted_per_position, st.spec_decode_num_drafts_per_position))
+    # The service's export (service/metrics.py): counters get the totals' increments, the gauge
+    # the rate per position (Ray's metric objects, their inc/set recorded)
+    from service.metrics import EngineMetrics
+
+    metrics, calls = EngineMetrics("tiny"), []
+    assert metrics.spec_drafts._name == "qkv_spec_decode_num_draft_tokens_total"
+    assert metrics.spec_accepted._name == "qkv_spec_decode_num_accepted_tokens_total"
+    metrics.spec_drafts.inc = lambda v, tags=None: calls.append(("drafts", v))
+    metrics.spec_accepted.inc = lambda v, tags=None: calls.append(("accepted", v))
+    metrics.spec_rate.set = lambda v, tags=None: calls.append((tags["position"], v))
+    metrics.refresh(st)
+    metrics.refresh(st)  # nothing new: no increment
+    assert ("drafts", st.spec_decode_num_draft_tokens) in calls and ("accepted", st.spec_decode_num_accepted_tokens) in calls
+    assert sum(1 for c in calls if c[0] == "drafts") == 1
+    assert ("0", st.spec_decode_num_accepted_per_position[0] / st.spec_decode_num_drafts_per_position[0]) in calls
     before = st.spec_decode_num_draft_tokens  # a batch of 3 > disable_by_batch_size: no speculation
     llm.generate([rep] * 3, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert llm.engine.stats().spec_decode_num_draft_tokens == before
