@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model.loading.hub import _download, is_hub_id
 from model.loading.weight_files import TensorIndex, weight_files
 from model.models.registry import architecture_of, build_model
 
@@ -62,8 +63,6 @@ def resolve_adapter_dir(source: str) -> Path:
     """A local adapter directory, or an HF hub id's snapshot (its two adapter files)."""
     if os.path.isdir(source):
         return Path(source)
-    from model.loading.hub import _download, is_hub_id
-
     if not is_hub_id(source):
         raise LoraError(f"LoRA adapter {source!r} is neither a directory nor an HF hub id (org/name)")
     return Path(_download(source, None, [CONFIG_FILE, WEIGHTS_FILE]))
