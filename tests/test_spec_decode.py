@@ -296,3 +296,17 @@ def test_speculative_config_is_validated(models) -> None:
     _l, llama_draft, _v = models["llama"]
     with pytest.raises(ValueError, match="vocabulary"):  # 301 tokens drafting for 300: refused at start-up
         _llm(target, _spec("draft", llama_draft))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_seeded_sampled_request_repeats_under_speculation(models, method: str) -> None:
+    """Seeded: the same tokens from two engines (the draft draws from the request's generator
+    too). Not the tokens of the non-speculative engine: the rule draws differently (README)."""
+    target, draft, vocab = models["llama"]
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = _llm(target, _spec(method, draft))
+        runs.append(llm.generate([_needle(vocab)], params)[0].token_ids)
+        assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+    assert runs[0] == runs[1] and len(runs[0]) == 24

@@ -297,7 +297,7 @@ class Engine:
                 continue
             room = min(seq.params.max_tokens - len(seq.output_token_ids), self.runtime.max_model_len - seq.num_tokens) - 1
             if room >= 1:
-                want.append((seq, room))
+                want.append((seq, room, req.generator))
         self.spec.propose(want)
 
     def _verify(self, verifying: list[ScheduledSeq], logits: dict[str, torch.Tensor], now: float) -> list[RequestOutput]:

@@ -33,17 +33,18 @@ class SpecDecoder:
         self.stats.drafts_per_position = [0] * config.num_speculative_tokens
         self._q: dict[str, torch.Tensor | None] = {}
 
-    def propose(self, seqs: list[tuple[Sequence, int]]) -> None:
-        """(decoding sequence, the most proposals it may take) -> seq.spec_token_ids set."""
+    def propose(self, seqs: list[tuple[Sequence, int, torch.Generator | None]]) -> None:
+        """(decoding sequence, the most proposals it may take, its request's generator) ->
+        seq.spec_token_ids set."""
         c = self.config
-        want = [(s, min(k, c.num_speculative_tokens)) for s, k in seqs if k >= 1]
+        want = [(s, min(k, c.num_speculative_tokens), g) for s, k, g in seqs if k >= 1]
         self._q = {}
         if c.method == "ngram":
-            for s, k in want:
+            for s, k, _g in want:
                 s.spec_token_ids = ngram.propose(s.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
             return
         got = self.draft.propose(want)
-        for s, _k in want:
+        for s, _k, _g in want:
             if s.request_id in got:
                 s.spec_token_ids, self._q[s.request_id] = got[s.request_id]
 

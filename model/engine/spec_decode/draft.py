@@ -59,14 +59,15 @@ class DraftProposer:
         return d
 
     @torch.inference_mode()
-    def propose(self, targets: list[tuple[Sequence, int]]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
-        """(sequence, k) pairs -> request id: (k proposals, the draft's distributions (k, V) they
-        were drawn from, None for greedy requests)."""
-        seqs, ks, props, dists = [], [], [], []
-        for target, k in targets:
+    def propose(self, targets: list[tuple[Sequence, int, torch.Generator | None]],
+                ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """(sequence, k, its request's generator: seeded requests draw from it) -> request id:
+        (k proposals, the draft's distributions (k, V) they were drawn from, None for greedy)."""
+        seqs, ks, gens, props, dists = [], [], [], [], []
+        for target, k, gen in targets:
             d = self._catch_up(target, k)
             if d is not None:
-                seqs.append(d), ks.append(k), props.append([]), dists.append([])
+                seqs.append(d), ks.append(k), gens.append(gen), props.append([]), dists.append([])
         for r in range(max(ks, default=0)):
             live = [i for i in range(len(seqs)) if ks[i] > r]
             batch = [ScheduledSeq(seqs[i], seqs[i].num_uncomputed_tokens) for i in live]
@@ -81,7 +82,7 @@ class DraftProposer:
             if rand:
                 q = sampling_probs(logits, rows, rand)
                 for qi, j in enumerate(rand):
-                    picks[j] = int(torch.multinomial(q[qi], 1))
+                    picks[j] = int(torch.multinomial(q[qi], 1, generator=gens[live[j]]))
                     dists[live[j]].append(q[qi])
             for j, i in enumerate(live):
                 props[i].append(picks[j])
