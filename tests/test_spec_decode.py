@@ -292,6 +292,12 @@ def test_speculative_config_is_validated(models) -> None:
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=raw)
     assert SpeculativeConfig.parse(None) is None
+    from service.app import AppArgs  # the app argument reaches EngineConfig, checked there
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    assert EngineConfig(**AppArgs(speculative_config=spec).engine_config()).speculative_config == spec
+    with pytest.raises(ValueError, match="method"):
+        EngineConfig(**AppArgs(speculative_config={"method": "eagle", "num_speculative_tokens": 3}).engine_config())
     target, _draft, _vocab = models["transformer"]
     _l, llama_draft, _v = models["llama"]
     with pytest.raises(ValueError, match="vocabulary"):  # 301 tokens drafting for 300: refused at start-up
