@@ -77,7 +77,7 @@ def run(model: str, spec: dict | None, prompts: list[str], max_tokens: int, thre
 
 def bench(args) -> list[dict]:
     methods = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k,
-                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+                                      "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}}
     if args.draft:
         methods["draft"] = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
     rows = []
@@ -176,6 +176,8 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="draft checkpoint (same vocabulary); none: no draft rows")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 32])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup", type=int, nargs=2, default=[3, 12], metavar=("MIN", "MAX"),
+                    help="ngram prompt_lookup_min/max (in tokens: bytes for the byte-level default model)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-bytes", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
