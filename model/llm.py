@@ -40,13 +40,15 @@ class LLM:
     def __init__(self, model: str = "transformer-base", device: str = "auto", dtype: str = "auto",
                  seed: int = 0, engine_config: EngineConfig | None = None, revision: str | None = None,
                  enforce_eager: bool | None = None, attention_backend: str | None = None,
-                 quantization: str | None = None, quantization_group_size: int | None = None) -> None:
+                 quantization: str | None = None, quantization_group_size: int | None = None,
+                 speculative_config: dict | None = None) -> None:
         """`enforce_eager`, `attention_backend`, `quantization` (none | int8 | int4; a GPTQ/AWQ
-        checkpoint loads as it is quantized) and `quantization_group_size`, when given, replace
-        those fields of `engine_config`."""
+        checkpoint loads as it is quantized), `quantization_group_size` and `speculative_config`
+        (model/engine/spec_decode/config.py), when given, replace those fields of `engine_config`."""
         changes = {k: v for k, v in (("enforce_eager", enforce_eager), ("attention_backend", attention_backend),
                                      ("quantization", quantization),
-                                     ("quantization_group_size", quantization_group_size)) if v is not None}
+                                     ("quantization_group_size", quantization_group_size),
+                                     ("speculative_config", speculative_config)) if v is not None}
         if changes:
             engine_config = (engine_config or EngineConfig()).replace(**changes)
         self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed, revision=revision)

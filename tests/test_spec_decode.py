@@ -251,7 +251,8 @@ def test_stops_inside_an_accepted_run_end_where_the_plain_engine_ends(models) ->
 
 def test_counters_and_backoff(models) -> None:
     target, _draft, vocab = models["transformer"]
-    llm = _llm(target, _spec("ngram", target, disable_by_batch_size=2))
+    llm = LLM(str(target), device="cpu", dtype="float32", speculative_config=_spec("ngram", target, disable_by_batch_size=2))
+    assert llm.engine.spec is not None  # the LLM argument
     st = llm.engine.stats()
     assert st.spec_decode_num_draft_tokens == 0 and st.spec_decode_num_accepted_per_position == (0, 0, 0, 0)
     rep = [5, 6, 7, 8, 9] * 6
