@@ -214,11 +214,6 @@ class ModelConfig:
             return self.sliding_window
         return None
 
-    def check_context(self, max_len: int) -> None:
-        """A context the model cannot serve exactly is refused here. Sliding-window attention
-        is served at any length since attention honours each layer's window, so nothing is
-        refused today; the engine keeps calling this one check."""
-
     @property
     def pre_norm(self) -> bool:
         return self.arch == "gpt2"

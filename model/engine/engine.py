@@ -93,7 +93,6 @@ class Engine:
         self.quant_scheme = quantization_of(net)  # on the fly, or the checkpoint's own (GPTQ, AWQ)
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
-        cfg.check_context(max_len)
         kv = self.config.kv_cache_dtype
         self.kv_cache_dtype = self.dtype if kv == "auto" else getattr(torch, kv)
         num_blocks = self._num_blocks(cfg, max_len)
