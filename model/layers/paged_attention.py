@@ -17,94 +17,27 @@ most `window` positions, itself included.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import sys
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from model.layers.cpp_kernel import CppKernel
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_NAME = "qkv_paged_attention"  # the library's file name in the build directory
-_lock = threading.Lock()
-_state: dict[str, bool] = {}  # "loaded" -> whether the kernel is usable
-
-
-def build_directory() -> Path:
-    """Where the kernel is built: `QKV_KERNEL_CACHE`, else ~/.cache/qkv-serve. The name carries
-    the torch version and a hash of this CPU's flags (the build targets the host CPU) and of
-    the kernel's source (an edited kernel is built afresh, never loaded stale)."""
-    root = Path(os.environ.get("QKV_KERNEL_CACHE") or Path.home() / ".cache" / "qkv-serve")
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    tag = hashlib.sha256(f"{platform.machine()} {flags}".encode() + _SOURCE.read_bytes()).hexdigest()[:10]
-    return root / f"paged_attention-torch{torch.__version__.replace('+', '_')}-{tag}"
+_KERNEL = CppKernel("qkv_paged_attention", Path(__file__).with_name("csrc") / "paged_attention.cpp",
+                    namespace="qkv_paged", op="paged_attention", directory_prefix="paged_attention",
+                    fallback="fused paged attention unavailable, using the gather path", log=logger)
+_state = _KERNEL.state  # "loaded" -> whether the kernel is usable (tests reset it)
+build_directory = _KERNEL.build_directory
 
 
 def kernel_available() -> bool:
     """Build (first call, about a minute) or load the fused kernel; False, with one warning
     logged, when it cannot be built (no compiler, no ninja, ...)."""
-    with _lock:
-        if "loaded" not in _state:
-            _state["loaded"] = _load()
-        return _state["loaded"]
-
-
-def _load() -> bool:
-    """Load the library built before, or build it. Processes that start together (replicas,
-    test workers) take turns on an OS file lock, which a killed process releases by dying;
-    torch's own build lock is a plain file that a build killed midway leaves behind, making
-    every later build wait for it forever, so it is removed when found (only a dead build
-    can have left it while we hold ours)."""
-    try:
-        from torch.utils import cpp_extension
-
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        library = directory / f"{_NAME}.so"
-        with open(directory / "build.flock", "w") as turn:
-            fcntl.flock(turn, fcntl.LOCK_EX)
-            if library.is_file():
-                try:
-                    torch.ops.load_library(str(library))
-                    return hasattr(torch.ops.qkv_paged, "paged_attention")
-                except OSError as exc:  # e.g. truncated by a build killed while linking
-                    logger.warning("rebuilding the fused kernel, %s did not load: %s", library, exc)
-                    library.unlink(missing_ok=True)
-            stale = directory / "lock"
-            if stale.exists():
-                logger.warning("removing %s, left by a kernel build that did not finish", stale)
-                stale.unlink(missing_ok=True)
-            _put_ninja_on_path()
-            cpp_extension.load(
-                name=_NAME, sources=[str(_SOURCE)], build_directory=str(directory),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                is_python_module=False, verbose=False)
-        return hasattr(torch.ops.qkv_paged, "paged_attention")
-    except Exception as exc:  # any build or load failure means: use the gather path
-        logger.warning("fused paged attention unavailable, using the gather path: %s: %s",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return False
-
-
-def _put_ninja_on_path() -> None:
-    """The build runs `ninja` from PATH; the `ninja` package installs it beside this Python,
-    which is not on PATH when the virtual environment is not activated (Ray workers, cron)."""
-    if shutil.which("ninja") is None:
-        bindir = str(Path(sys.executable).parent)
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    return _KERNEL.available()
 
 
 def use_fused(device: torch.device) -> bool:
