@@ -44,7 +44,9 @@ def workload(name: str, batch: int, nbytes: int) -> list[str]:
     `fresh`: the start of a passage the prompt never showed more of."""
     out = []
     for i in range(batch):
-        text = PASSAGES[i % len(PASSAGES)].strip()[(i // len(PASSAGES)) * 40:]
+        full = PASSAGES[i % len(PASSAGES)].strip()
+        # later rounds start further in, wrapping inside the first half (some docstrings are one line)
+        text = full[(i // len(PASSAGES)) * 40 % max(1, len(full) // 2):]
         if name == "repeat":
             body = text[:nbytes]
             out.append(f"Repeat this text.\n\n{body}\n\nRepeated:\n\n{body[:48]}")
