@@ -46,13 +46,15 @@ SHAPES.setdefault(QUICK_SHAPE, {**SHAPES["qwen2.5-0.5b-shape"], "hidden_size": 1
                                 "bos_token_id": 1, "eos_token_id": 2})
 
 _PEAK = """
-import resource, sys, torch
+import sys, torch
 sys.path.insert(0, {root!r})
 from model.loading.loading import load_weights
 from model.loading.quantize import on_the_fly_scheme
 scheme = on_the_fly_scheme({method!r}, {group})
 load_weights({path!r}, torch.float32, torch.device("cpu"), quantize=scheme, quantize_lm_head={head})
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+# VmHWM, not ru_maxrss: Linux carries the parent's high-water mark across fork + exec into
+# ru_maxrss, so a child of this (model-holding) benchmark would report the parent's size
+print(next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM")))
 """
 
 
