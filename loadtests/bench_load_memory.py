@@ -57,23 +57,29 @@ def main() -> None:
         from loadtests.random_checkpoint import write_random_checkpoint
 
         write_random_checkpoint(args.dir, args.shape)
-    r = measure(args.dir, args.dtype)
-    r["file_bytes"] = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors"))
+    report(args.dir, args.dtype, args.out, "checkpoint files (bf16)")
+
+
+def report(directory: str, dtype: str, out: str, files_label: str, extra: dict | None = None) -> dict:
+    """Measure loading `directory` into `dtype` in a fresh process, print the table, write `out`."""
+    r = measure(directory, dtype)
+    r["file_bytes"] = sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
+    r.update(extra or {})
     growth = r["peak_rss"] - r["rss_before"]
     r["peak_growth_over_model_bytes"] = growth / r["model_bytes"]
     gib = 2**30
     print(f"| {'what':<44} | {'GiB':>7} |\n|{'-' * 46}|{'-' * 9}|")
-    for what, value in (("checkpoint files (bf16)", r["file_bytes"]), (f"one copy of the model in {args.dtype}",
-                        r["model_bytes"]), ("RSS before the load (torch imported)", r["rss_before"]),
+    for what, value in ((files_label, r["file_bytes"]), (f"one copy of the model in {dtype}", r["model_bytes"]),
+                        ("RSS before the load (torch imported)", r["rss_before"]),
                         ("peak RSS during the load", r["peak_rss"]), ("peak growth (peak - before)", growth),
                         ("RSS after the load", r["rss_after"])):
-        print(f"| {what:<44} | {value / gib:>7.2f} |")
+        print(f"| {what:<44} | {value / gib:>7.3f} |")
     print(f"{r['params'] / 1e6:.0f}M parameters loaded in {r['seconds']:.1f} s; peak growth = "
-          f"{r['peak_growth_over_model_bytes']:.2f}x one {args.dtype} copy")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(r, indent=2))
-    print(f"wrote {args.out}")
-
+          f"{r['peak_growth_over_model_bytes']:.2f}x one {dtype} copy")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(r, indent=2))
+    print(f"wrote {out}")
+    return r
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,6 @@ checkpoint's size and one copy of the model at the target dtype (the lower bound
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadtests.bench_load_memory import measure  # noqa: E402
+from loadtests.bench_load_memory import report  # noqa: E402
 
 COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=4096, norm_topk_prob=True,
               tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=None, use_sliding_window=False)
@@ -63,25 +62,8 @@ def main() -> None:
     if not (directory / "config.json").is_file():
         print(f"writing a random {args.shape} checkpoint to {directory} (once) ...", flush=True)
         write_checkpoint(directory, args.shape)
-    r = measure(str(directory), args.dtype)
-    r["file_bytes"] = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    r["shape"], r["dtype"] = args.shape, args.dtype
-    growth = r["peak_rss"] - r["rss_before"]
-    r["peak_growth_over_model_bytes"] = growth / r["model_bytes"]
-    gib = 2**30
-    print(f"| {'what':<44} | {'GiB':>7} |\n|{'-' * 46}|{'-' * 9}|")
-    for what, value in (("checkpoint files (bf16, per-expert tensors)", r["file_bytes"]),
-                        (f"one copy of the model in {args.dtype}", r["model_bytes"]),
-                        ("RSS before the load (torch imported)", r["rss_before"]),
-                        ("peak RSS during the load", r["peak_rss"]), ("peak growth (peak - before)", growth),
-                        ("RSS after the load", r["rss_after"])):
-        print(f"| {what:<44} | {value / gib:>7.3f} |")
-    print(f"{r['params'] / 1e6:.0f}M parameters loaded in {r['seconds']:.1f} s; peak growth = "
-          f"{r['peak_growth_over_model_bytes']:.2f}x one {args.dtype} copy")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(r, indent=2))
-    print(f"wrote {args.out}")
-
+    report(str(directory), args.dtype, args.out, "checkpoint files (bf16, per-expert tensors)",
+           {"shape": args.shape, "dtype": args.dtype})
 
 if __name__ == "__main__":
     main()
