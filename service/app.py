@@ -5,8 +5,8 @@
 
 The application is one deployment, `EngineDeployment`: each replica is an engine and its own
 HTTP edge. With HAProxy (`service.launch.SERVING_ENV`, the default) HAProxy forwards every
-request to a replica's own port, and when several replicas may serve with prefix caching on,
-it asks the `PrefixRoute` deployment which one (service/prefix_route.py). Without HAProxy,
+request to a replica's own port, and when several replicas may serve with prefix caching or
+LoRA adapters on, it asks the `PrefixRoute` deployment which one (service/prefix_route.py). Without HAProxy,
 Serve's Python proxy forwards to the replicas and picks them by load alone.
 
 Arguments are the fields of `AppArgs`; Serve validates them into it (strings from the command
@@ -76,7 +76,7 @@ class AppArgs(BaseModel):
     max_lora_rank: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
-    prefix_aware_routing: bool = True  # with prefix caching: a shared prefix goes to the replica holding it
+    prefix_aware_routing: bool = True  # a shared prefix (or a LoRA adapter) goes to the replica holding it
     routing_imbalance_threshold: int = Field(8, ge=0)  # ...unless it has this many more requests than the least busy
     # admission: requests in flight per engine replica, and queued per caller beyond that
     max_ongoing_requests: int | None = Field(None, ge=1)  # default: max_num_seqs + a quarter of it
@@ -153,19 +153,25 @@ UNBOUNDED_ONGOING = 100_000  # Serve needs a number where the admission bound is
 
 
 def wants_prefix_router(args: AppArgs) -> bool:
-    """Whether HAProxy should ask `PrefixRoute` for each request's replica."""
-    return args.enable_prefix_caching and args.prefix_aware_routing and args.max_engine_replicas() > 1 \
-        and haproxy_enabled()
+    """Whether HAProxy should ask `PrefixRoute` for each request's replica: several replicas, and
+    prefix caching or LoRA adapters to route by."""
+    return (args.enable_prefix_caching or serves_lora(args)) and args.prefix_aware_routing \
+        and args.max_engine_replicas() > 1 and haproxy_enabled()
 
 
 def router_options(args: AppArgs) -> dict[str, Any]:
     """Deployment options for the engine with the prefix router: `PrefixAwareRouter` (service/router.py),
-    weighing replicas by the load each reports every second."""
-    kwargs = {"block_size": args.block_size, "imbalance_threshold": args.routing_imbalance_threshold}
+    weighing replicas by the load (and resident adapters) each reports every second."""
+    kwargs = {"block_size": args.block_size, "imbalance_threshold": args.routing_imbalance_threshold,
+              "route_by_prefix": args.enable_prefix_caching}
     return {"request_router_config": RequestRouterConfig(request_router_class="service.router.PrefixAwareRouter",
                                                          request_router_kwargs=kwargs,
                                                          request_routing_stats_period_s=1.0,
                                                          request_routing_stats_timeout_s=5.0)}
+
+
+def serves_lora(args: AppArgs) -> bool:
+    return bool(args.lora_modules or args.lora_dynamic_path)
 
 
 def build_app(args: AppArgs) -> serve.Application:

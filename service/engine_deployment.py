@@ -273,9 +273,10 @@ class EngineDeployment:
         return dataclasses.asdict(self._host.loop.stats)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the prefix router weighs replicas by (Serve polls it): requests in the engine."""
+        """What the prefix router weighs replicas by (Serve polls it): requests in the engine, and
+        the LoRA adapters resident in it."""
         stats = self._host.loop.stats
-        return {"num_requests": stats.num_running + stats.num_waiting}
+        return {"num_requests": stats.num_running + stats.num_waiting, "lora_adapters": list(stats.lora_resident)}
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""

@@ -4,7 +4,8 @@ the token path.
 
 HAProxy's Lua action posts the head of each request's body to `POST /internal/route` here; this
 deployment tokenizes it exactly as the replica will (`OpenAIServing.routing_prompt`: the
-completions prompt, or the chat template over the messages) and asks the engine deployment's
+completions prompt, or the chat template over the messages, and the LoRA adapter its `model`
+names) and asks the engine deployment's
 request router (`service.router.PrefixAwareRouter`) for a replica without dispatching anything;
 HAProxy then forwards the request straight to that replica's own HTTP port and streams the
 answer back. One call per request, none per token. A body that is not a valid request (or is
@@ -48,8 +49,8 @@ class PrefixRoute:
     @route_api.post("/internal/route")
     async def route(self, request: Request) -> Any:
         body = await request.body()
-        prompt = self._serving.routing_prompt(body) if body else None
-        args = (RoutingPrompt(prompt),) if prompt else ()
+        routed = self._serving.routing_prompt(body) if body else None
+        args = (RoutingPrompt(*routed),) if routed else ()
         try:
             async with self._engine.choose_replica(*args, _reserve=False) as selection:
                 replica = selection._replica  # Ray Serve LLM's direct streaming reads it the same way

@@ -15,9 +15,16 @@ replicas by the requests each reports in its engine (`record_routing_stats`, pol
 A caller that sends `generate(list[SubRequest])` through a handle gets the same policy with
 Serve's own bookkeeping of what it routed.
 
+LoRA adapters: a request for an adapter hashes its blocks salted by the adapter's name (as the
+engine's cache does), so a prefix cached under one adapter never attracts another's request. With
+no known prefix it goes to a replica holding the adapter: one that reports it resident
+(`lora_adapters` in its routing stats) or the one this router last sent it to (recorded at pick
+time, so a burst for an adapter no replica has yet loads it on one replica, not on all), the
+least busy of those, unless it has `imbalance_threshold` more requests than the least busy replica.
+
 What it knows is what it routed, not what the engines still hold: an engine may have evicted a
-block since, and several router replicas each learn on their own. Both only cost hit rate,
-never correctness.
+block since, and several router replicas each learn on their own. Both only cost hit rate (and an
+adapter load), never correctness.
 """
 
 from __future__ import annotations
@@ -37,56 +44,92 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RoutingPrompt:
-    """The routing argument of a pick-only `choose_replica` call: the request's prompt ids."""
+    """The routing argument of a pick-only `choose_replica` call: the request's prompt ids and
+    the LoRA adapter it runs under (None: the base model)."""
 
     prompt_token_ids: list[int]
+    lora: str | None = None
 
 
-def _prompt(pending_request: PendingRequest | None) -> tuple[list[int] | None, bool]:
-    """The prompt ids a request routes by, and whether the call only picks (a `RoutingPrompt`)."""
+@dataclass(frozen=True)
+class _Route:
+    """What one request is routed by."""
+
+    prompt: list[int] | None = None
+    lora: str | None = None
+    pick_only: bool = False  # a `RoutingPrompt`: nothing is dispatched, no on_request_routed follows
+
+
+def _route(pending_request: PendingRequest | None) -> _Route:
+    """The prompt ids and adapter a request routes by, and whether the call only picks."""
     if pending_request is None or not pending_request.args:
-        return None, False
+        return _Route()
     first = pending_request.args[0]
     # By duck type: Serve ships this router to the caller by value (cloudpickle), so its
     # `RoutingPrompt` is not the class object the caller built the argument with.
-    if not isinstance(first, list) and isinstance(getattr(first, "prompt_token_ids", None), list):
-        return first.prompt_token_ids, True
+    if not isinstance(first, list) and hasattr(first, "prompt_token_ids"):
+        prompt = first.prompt_token_ids
+        return _Route(prompt if isinstance(prompt, list) else None, getattr(first, "lora", None), True)
     if isinstance(first, list) and first:  # generate(list[SubRequest]): the choices share the prompt
-        return getattr(first[0], "prompt_token_ids", None), False
-    return None, False
+        return _Route(getattr(first[0], "prompt_token_ids", None), getattr(first[0], "lora", None))
+    return _Route()
+
+
+def _salt(lora: str | None) -> bytes:
+    """The hash chain's seed: a prefix under one adapter is not the same prefix under another."""
+    return b"" if lora is None else b"|lora:" + lora.encode()
 
 
 class PrefixAwareRouter(RequestRouter):
-    """Sends requests that share a prefix to the replica that computed it; balances by load otherwise."""
+    """Sends requests that share a prefix to the replica that computed it, and requests for a LoRA
+    adapter to a replica holding it; balances by load otherwise."""
 
     def initialize_state(self, block_size: int = 16, imbalance_threshold: int = 8, min_match_rate: float = 0.1,
-                         max_blocks: int = 200_000, **_: Any) -> None:
+                         max_blocks: int = 200_000, max_adapters: int = 10_000, route_by_prefix: bool = True,
+                         **_: Any) -> None:
         """`request_router_kwargs`: the engine's `block_size`; how many more requests in flight the
-        prefix's replica may have than the least busy one; the least fraction of the prompt that
-        must match; how many block hashes to remember (least recently routed forgotten first)."""
+        prefix's (or adapter's) replica may have than the least busy one; the least fraction of the
+        prompt that must match; how many block hashes and adapters to remember (least recently
+        routed forgotten first); `route_by_prefix` False (engines without a prefix cache): by
+        adapter and load only."""
+        self._route_by_prefix = route_by_prefix
         self._block_size = block_size
         self._imbalance = imbalance_threshold
         self._min_match_rate = min_match_rate
         self._max_blocks = max_blocks
+        self._max_adapters = max_adapters
         self._owner: OrderedDict[bytes, ReplicaID] = OrderedDict()  # block hash -> replica, oldest first
+        self._adapter_owner: OrderedDict[str, ReplicaID] = OrderedDict()  # adapter -> replica last sent it
         self._in_flight: dict[ReplicaID, set[str]] = {}  # what this router sent and is not done yet
 
-    def _hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
-        """Block hashes of the request's prompt."""
-        prompt, _ = _prompt(pending_request)
-        return block_hashes(prompt, self._block_size) if prompt else []
+    def _hashes(self, route: _Route) -> list[bytes]:
+        """Block hashes of the request's prompt, salted by its adapter."""
+        if not route.prompt or not self._route_by_prefix:
+            return []
+        return block_hashes(route.prompt, self._block_size, _salt(route.lora))
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         reported = (getattr(replica, "routing_stats", None) or {}).get("num_requests", 0)
         return max(cached or 0, reported, len(self._in_flight.get(replica.replica_id, ())))
 
-    def _remember(self, hashes: list[bytes], replica_id: ReplicaID) -> None:
+    def _remember(self, route: _Route, hashes: list[bytes], replica_id: ReplicaID) -> None:
         for h in hashes:
             self._owner[h] = replica_id
             self._owner.move_to_end(h)
         while len(self._owner) > self._max_blocks:
             self._owner.popitem(last=False)
+        if route.lora is not None:
+            self._adapter_owner[route.lora] = replica_id
+            self._adapter_owner.move_to_end(route.lora)
+            while len(self._adapter_owner) > self._max_adapters:
+                self._adapter_owner.popitem(last=False)
+
+    def _adapter_holders(self, lora: str, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The candidates that report `lora` resident, or that this router last sent it to."""
+        owner = self._adapter_owner.get(lora)
+        return [r for r in candidates if r.replica_id == owner
+                or lora in ((getattr(r, "routing_stats", None) or {}).get("lora_adapters") or ())]
 
     def _holder(self, hashes: list[bytes], candidates: dict[ReplicaID, RunningReplica]) -> tuple[RunningReplica | None, int]:
         """The candidate that was sent the longest run of `hashes`, and its length in blocks."""
@@ -102,26 +145,35 @@ class PrefixAwareRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        prompt, pick_only = _prompt(pending_request)
-        hashes = block_hashes(prompt, self._block_size) if prompt else []
+        route = _route(pending_request)
+        hashes = self._hashes(route)
+        least = min(self._load(r) for r in candidate_replicas)
         ranks: list[list[RunningReplica]] | None = None
         if hashes:
             holder, run = self._holder(hashes, {r.replica_id: r for r in candidate_replicas})
-            if holder is not None and run * self._block_size >= self._min_match_rate * len(prompt):
-                least = min(self._load(r) for r in candidate_replicas)
-                if self._load(holder) - least <= self._imbalance:
-                    # The holder first; if it cannot take the request, the others by load.
-                    ranks = [[holder], [r for r in candidate_replicas if r is not holder]]
+            if holder is not None and run * self._block_size >= self._min_match_rate * len(route.prompt or ()) \
+                    and self._load(holder) - least <= self._imbalance:
+                # The holder first; if it cannot take the request, the others by load.
+                ranks = [[holder], [r for r in candidate_replicas if r is not holder]]
+        if ranks is None and route.lora is not None:
+            holders = sorted(self._adapter_holders(route.lora, candidate_replicas), key=self._load)
+            if holders and self._load(holders[0]) - least <= self._imbalance:
+                ranks = [holders, sorted((r for r in candidate_replicas if r not in holders), key=self._load)]
         if ranks is None:
             two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
             ranks = [sorted(two, key=self._load)]  # stable: equal loads keep the random order
-        if pick_only and hashes:  # the pick is the route: no on_request_routed follows
-            self._remember(hashes, ranks[0][0].replica_id)
-        return ranks
+        if route.pick_only:
+            # The pick is the route and no on_request_routed follows: rank one replica first, the
+            # one remembered (Serve would pick the shortest queue within a rank of several).
+            chosen = ranks[0][0]
+            ranks = [[chosen], [r for rank in ranks for r in rank if r is not chosen]]
+            self._remember(route, hashes, chosen.replica_id)
+        return [rank for rank in ranks if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._in_flight.setdefault(replica_id, set()).add(pending_request.metadata.internal_request_id)
-        self._remember(self._hashes(pending_request), replica_id)
+        route = _route(pending_request)
+        self._remember(route, self._hashes(route), replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._in_flight.get(replica_id, set()).discard(internal_request_id)

@@ -1,12 +1,15 @@
 """The prefix-aware request router's choices, without a cluster: a known prefix goes to the
-replica that got it, unless that replica is much busier; unknown prompts get two candidates."""
+replica that got it, unless that replica is much busier; unknown prompts get two candidates.
+LoRA adapters: the prefix chain is salted by the adapter, a request for an adapter prefers a
+replica holding it (reported resident, or sent it before), and a burst for a new one stays on one."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID
 
@@ -15,6 +18,7 @@ from service.engine_loop import SubRequest
 from service.router import PrefixAwareRouter
 
 DEPLOYMENT = DeploymentID(name="EngineDeployment", app_name="qkv")
+DEPLOYMENT_SOURCE = DeploymentHandleSource.UNKNOWN
 PREFIX = list(range(40))  # 10 full blocks of 4
 
 
@@ -22,11 +26,28 @@ PREFIX = list(range(40))  # 10 full blocks of 4
 class FakeReplica:
     replica_id: ReplicaID
     max_ongoing_requests: int = 100
+    routing_stats: dict = field(default_factory=dict)  # what record_routing_stats reported
 
 
-def pending(rid: str, prompt: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(args=[[SubRequest(rid, prompt, SamplingParams())]], kwargs={},
+def pending(rid: str, prompt: list[int], lora: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(args=[[SubRequest(rid, prompt, SamplingParams(), lora)]], kwargs={},
                            metadata=SimpleNamespace(internal_request_id=rid))
+
+
+def pick(prompt: list[int], lora: str | None = None) -> SimpleNamespace:
+    """A pick-only call as service/prefix_route.py makes it (a `RoutingPrompt` look-alike)."""
+    return SimpleNamespace(args=[SimpleNamespace(prompt_token_ids=prompt, lora=lora)], kwargs={},
+                           metadata=SimpleNamespace(internal_request_id="pick"))
+
+
+def replicas(*names: str) -> list[FakeReplica]:
+    return [FakeReplica(ReplicaID(name, DEPLOYMENT)) for name in names]
+
+
+def router(**kwargs) -> PrefixAwareRouter:
+    r = PrefixAwareRouter(DEPLOYMENT, DEPLOYMENT_SOURCE)
+    r.initialize_state(**{"block_size": 4, **kwargs})
+    return r
 
 
 def ids(ranks: list[list[FakeReplica]]) -> list[list[str]]:
@@ -73,5 +94,82 @@ def test_a_pick_only_routing_prompt_is_remembered_by_its_shape_not_its_class() -
         (first,) = (await router.choose_replicas([a, b], request()))[0][:1]
         for _ in range(5):  # no on_request_routed: the first pick still owns the prefix
             assert (await router.choose_replicas([a, b], request()))[0] == [first]
+
+    asyncio.run(scenario())
+
+
+def test_the_prefix_chain_is_salted_by_the_adapter() -> None:
+    async def scenario() -> None:
+        r = router(imbalance_threshold=2)
+        a, b = both = replicas("a", "b")
+        r.on_request_routed(pending("r0", PREFIX + [1], lora="x"), b.replica_id, None)
+        # The same prompt under adapter "x" again: the holder; for the base model or adapter "y": nothing known.
+        assert ids(await r.choose_replicas(both, pending("r1", PREFIX + [2], lora="x"))) == [["b"], ["a"]]
+        assert ids(await r.choose_replicas(both, pending("r2", PREFIX + [2]))) == [["a", "b"]]
+        assert ids(await r.choose_replicas(both, pending("r3", PREFIX + [2], lora="y"))) == [["a", "b"]]
+        # And the base model's prefix does not attract "y" either.
+        r.on_request_routed(pending("r4", PREFIX), a.replica_id, None)
+        assert ids(await r.choose_replicas(both, pending("r5", PREFIX, lora="y"))) == [["a", "b"]]
+        assert ids(await r.choose_replicas(both, pending("r6", PREFIX + [3]))) == [["a"], ["b"]]
+
+    asyncio.run(scenario())
+
+
+def test_an_adapter_goes_to_a_replica_holding_it_unless_it_is_much_busier() -> None:
+    async def scenario() -> None:
+        r = router(imbalance_threshold=2)
+        a, b, c = three = replicas("a", "b", "c")
+        b.routing_stats = {"num_requests": 1, "lora_adapters": ["x"]}
+        c.routing_stats = {"num_requests": 0, "lora_adapters": ["x", "z"]}
+        # Both holders of "x", the less busy first; then the replica without it.
+        assert [[rep.replica_id.unique_id for rep in rank]
+                for rank in await r.choose_replicas(three, pending("r0", [5, 6], lora="x"))] == [["c", "b"], ["a"]]
+        assert ids(await r.choose_replicas(three, pending("r1", [5, 6], lora="z"))) == [["c"], ["a", "b"]]
+        # A prefix known under "x" wins over the adapter's other holders.
+        r.on_request_routed(pending("r2", PREFIX, lora="x"), b.replica_id, None)
+        assert ids(await r.choose_replicas(three, pending("r3", PREFIX + [1], lora="x"))) == [["b"], ["a", "c"]]
+        # "c", the only holder of "z", has 3 more requests than "a" (threshold 2): by load instead.
+        c.routing_stats = {"num_requests": 3, "lora_adapters": ["x", "z"]}
+        got = await r.choose_replicas(three, pending("r4", [5, 6], lora="z"))
+        assert len(got) == 1 and len(got[0]) == 2  # power of two choices over all three
+        # Requests for the base model ignore adapters.
+        assert len((await r.choose_replicas(three, pending("r5", [5, 6])))[0]) == 2
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("route_by_prefix", [True, False])
+def test_a_burst_for_a_new_adapter_stays_on_one_replica(route_by_prefix: bool) -> None:
+    """HAProxy's pick-only path: the first pick of an adapter no replica holds is remembered, so
+    the burst that follows (before any replica reports it resident) lands on that one replica;
+    the pick is a rank of one replica (Serve would take the shortest queue within a rank)."""
+    async def scenario() -> None:
+        r = router(imbalance_threshold=8, route_by_prefix=route_by_prefix)
+        four = replicas("a", "b", "c", "d")
+        firsts = set()
+        for i in range(8):
+            ranks = await r.choose_replicas(four, pick([100 + i] * 9, lora="new"))
+            assert len(ranks[0]) == 1
+            firsts.add(ranks[0][0].replica_id.unique_id)
+        assert len(firsts) == 1, firsts
+        # Replicas report their loads: the holder is now 9 requests above the others, past the threshold.
+        (holder,) = firsts
+        for rep in four:
+            rep.routing_stats = {"num_requests": 9 if rep.replica_id.unique_id == holder else 0,
+                                 "lora_adapters": ["new"] if rep.replica_id.unique_id == holder else []}
+        spill = (await r.choose_replicas(four, pick([1, 2, 3], lora="new")))[0][0].replica_id.unique_id
+        assert spill != holder
+        # ...and the spill-over replica is remembered for the adapter too.
+        assert (await r.choose_replicas(four, pick([4, 5, 6], lora="new")))[0][0].replica_id.unique_id == spill
+
+    asyncio.run(scenario())
+
+
+def test_without_prefix_routing_a_shared_prefix_routes_by_load() -> None:
+    async def scenario() -> None:
+        r = router(route_by_prefix=False)
+        a, b = both = replicas("a", "b")
+        r.on_request_routed(pending("r0", PREFIX), b.replica_id, None)
+        assert ids(await r.choose_replicas(both, pending("r1", PREFIX + [1]))) == [["a", "b"]]
 
     asyncio.run(scenario())

@@ -57,6 +57,7 @@ class EngineStats:
     lora_adapters_loaded: int = 0  # LoRA adapters resident in a slot now
     lora_adapter_loads: int = 0  # adapters put into a slot, since start
     lora_adapter_evictions: int = 0
+    lora_resident: tuple[str, ...] = ()  # the resident adapters' names (what the router prefers replicas by)
 
 
 @dataclass
@@ -235,7 +236,8 @@ class Engine:
                               tuple(sp.accepted_per_position)) if sp else ()),
                            **({} if self.lora is None else {
                                "lora_adapters_loaded": len(self.lora.slot_of), "lora_adapter_loads": self.lora.num_loads,
-                               "lora_adapter_evictions": self.lora.num_evictions}))
+                               "lora_adapter_evictions": self.lora.num_evictions,
+                               "lora_resident": tuple(self.lora.slot_of)}))
 
     # ---- the step -------------------------------------------------------------------
 

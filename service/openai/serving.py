@@ -94,17 +94,20 @@ class OpenAIServing:
             raise
         return run
 
-    def routing_prompt(self, body: bytes) -> list[int] | None:
-        """The prompt token ids a completions or chat request body will run with, or None when
-        the body is not a valid one (the replica then answers it with the error): what the prefix
-        router routes by (service/prefix_route.py)."""
+    def routing_prompt(self, body: bytes) -> tuple[list[int], str | None] | None:
+        """The prompt token ids a completions or chat request body will run with and the LoRA
+        adapter it names (None: the base model), or None when the body is not a valid one (the
+        replica then answers it with the error): what the prefix router routes by
+        (service/prefix_route.py)."""
         try:
             if b'"messages"' in body:
-                text = self.render_chat(ChatCompletionRequest.model_validate_json(body))
-                return self.tokenizer.encode(text, add_special_tokens=False)
+                chat = ChatCompletionRequest.model_validate_json(body)
+                text = self.render_chat(chat)
+                return self.tokenizer.encode(text, add_special_tokens=False), self.adapter_of(chat.model)
             req = CompletionRequest.model_validate_json(body)
             first = req.prompts[0]
-            return self.tokenizer.encode(first, True) if isinstance(first, str) else list(first)
+            ids = self.tokenizer.encode(first, True) if isinstance(first, str) else list(first)
+            return ids, self.adapter_of(req.model)
         except Exception:  # anything unparseable or unrenderable: routed by load alone
             return None
 
