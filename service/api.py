@@ -192,7 +192,7 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
 
     @app.get("/v1/models")
     async def models() -> Response:
-        adapters = [adapter_card(name) for name in serving.info.lora_adapters]  # LoRA adapters over the model
+        adapters = [adapter_card(name) for name in serving.adapter_names()]  # LoRA adapters over the model
         return JSONResponse({"object": "list", "data": [model_card(), *adapters]})
 
     @app.get("/v1/models/{model_id:path}")

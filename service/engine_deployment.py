@@ -60,6 +60,7 @@ class EngineStream:
         self._failure: EngineFailure | None = None  # delivered after the outputs that came before it
         self._finished = False
         self._not_before = 0.0  # event-loop time of the next read (stream_interval_s)
+        self._lora_of = {r.request_id: r.lora for r in requests}
 
     async def _submit(self) -> EngineFailure | None:
         host = self._host
@@ -107,6 +108,8 @@ class EngineStream:
             self._not_before = asyncio.get_running_loop().time() + self._host.stream_interval_s
         return batch
 
+                if self._lora_of.get(out.request_id) is not None:
+                    metrics.observe_lora_request(self._lora_of[out.request_id])
     def _close(self) -> None:
         self._finished = True
         if self._sink is not None:
@@ -165,6 +168,11 @@ class EngineHost:
         scheme = getattr(self.engine, "quant_scheme", None)  # the weights' quantization; None: full precision
         return ModelInfo(
             served_model_name=self.served_model_name,
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters known now: the start-up ones and those loaded by name since."""
+        lora = getattr(self.engine, "lora", None)
+        return tuple(lora.names()) if lora is not None else ()
+
             max_model_len=runtime.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
             num_kv_blocks=runtime.num_kv_blocks,

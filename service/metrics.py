@@ -58,15 +58,20 @@ class EngineMetrics:
         self.waiting = Gauge("qkv_num_requests_waiting", "Requests waiting to be scheduled.", _MODEL)
         self.lora_loaded = Gauge("qkv_lora_adapters_loaded", "LoRA adapters resident in this replica.", _MODEL)
         self.lora_loads = Counter("qkv_lora_adapter_loads_total", "LoRA adapters loaded into a slot.", _MODEL)
+        self.lora_evictions = Counter("qkv_lora_adapter_evictions_total",
+                                      "LoRA adapters evicted from a slot (least recently used, idle).", _MODEL)
+        self.lora_requests = Counter("qkv_lora_requests_total",
+                                     "Finished requests (choices) run under each LoRA adapter.", _MODEL + ("lora_name",))
         self.kv_usage = Gauge("qkv_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", _MODEL)
         for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
                        self.success, self.preemptions, self.running, self.waiting, self.kv_usage,
-                       self.prefix_queries, self.prefix_hits, self.lora_loaded, self.lora_loads):
+                       self.prefix_queries, self.prefix_hits, self.lora_loaded, self.lora_loads, self.lora_evictions,
+                       self.lora_requests):
             metric.set_default_tags(dict(tags))
         for metric in (self.spec_drafts, self.spec_accepted, self.spec_rate):
             metric.set_default_tags(dict(tags))
         self._seen = {"num_preemptions_total": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                      "lora_adapter_loads": 0}
+                      "lora_adapter_loads": 0, "lora_adapter_evictions": 0}
         self._unreported_tokens = 0  # generated tokens observed since the last refresh
         self._spec_seen = [0, 0]  # speculative tokens proposed / accepted at the last refresh
 
@@ -102,6 +107,10 @@ class EngineMetrics:
         if end is not None:
             self.e2e.observe(max(end - times.arrival, 0.0))
 
+    def observe_lora_request(self, lora: str) -> None:
+        """One sequence run under LoRA adapter `lora` has finished."""
+        self.lora_requests.inc(1, tags={"lora_name": lora})
+
     def observe_abort(self, num_prompt_tokens: int) -> None:
         """A request whose caller went away: its final output is never read, so count it here."""
         self._flush_tokens()
@@ -125,7 +134,7 @@ class EngineMetrics:
         # The engine keeps running totals; the counters get what was added since the last refresh.
         for name, counter in (("num_preemptions_total", self.preemptions),
                               ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                              ("lora_adapter_loads", self.lora_loads)):
+                              ("lora_adapter_loads", self.lora_loads), ("lora_adapter_evictions", self.lora_evictions)):
             total = getattr(stats, name, 0)
             if total > self._seen[name]:
                 counter.inc(total - self._seen[name])

@@ -23,6 +23,10 @@ class NullMetrics:
     def observe_abort(self, num_prompt_tokens: int) -> None:
         pass
 
+    def observe_lora_request(self, lora: str) -> None:
+        self.lora_requests = getattr(self, "lora_requests", {})
+        self.lora_requests[lora] = self.lora_requests.get(lora, 0) + 1
+
     def observe_embeddings(self, num_prompt_tokens: int) -> None:
         self.embedded_tokens = getattr(self, "embedded_tokens", 0) + num_prompt_tokens
 

@@ -2,7 +2,8 @@
 model: greedy output equal to peft's merged model (merge_and_unload) and logits within 1e-4 in fp32;
 a batch mixing three adapters and the base model, each row equal to its own run alone; the prefix
 cache never crossing adapters; LRU eviction under max_loras with a request in flight; dynamic
-loading by `base:adapter`; the load errors; /v1/models and a completion by adapter name over HTTP.
+loading by `base:adapter`; the load errors; /v1/models (dynamic adapters once loaded) and a completion
+by adapter name over HTTP, counted per adapter.
 """
 
 from __future__ import annotations
@@ -243,11 +244,15 @@ def test_http_models_lists_adapters_and_completes_by_name(ckpts):
                 dynamic = (await client.post("/v1/completions", json={**body, "model": "tiny:c"})).json()
                 missing = await client.post("/v1/completions", json={**body, "model": "tiny:nope"})
                 unknown = await client.post("/v1/completions", json={**body, "model": "zzz"})
-        return models, by_name, dynamic, missing, unknown, engine.tokenizer
+                after = (await client.get("/v1/models")).json()["data"]  # the dynamic adapter, once loaded
+                counted = dict(app.state.host.metrics.lora_requests)
+        return models, by_name, dynamic, missing, unknown, after, counted, engine.tokenizer
 
     with torch_threads(1):
-        models, by_name, dynamic, missing, unknown, tok = asyncio.run(main())
+        models, by_name, dynamic, missing, unknown, after, counted, tok = asyncio.run(main())
     assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("a", "tiny")]
+    assert [(m["id"], m.get("parent")) for m in after] == [("tiny", None), ("a", "tiny"), ("tiny:c", "tiny")]
+    assert counted == {"a": 1, "tiny:c": 1}  # requests per adapter (the 404s never reached the engine)
     assert by_name["choices"][0]["text"] == tok.decode(hf_greedy(merged["a"], PROMPT, TOKENS))
     assert dynamic["choices"][0]["text"] == tok.decode(hf_greedy(merged["c"], PROMPT, TOKENS))
     assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]

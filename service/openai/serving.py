@@ -121,6 +121,11 @@ class OpenAIServing:
                            f"'{self.info.served_model_name}'.", 404, "invalid_request_error", "model",
                            "model_not_found")
 
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters to list: the start-up ones, and those `<served>:<adapter>` has loaded since."""
+        live = getattr(self._engine, "lora_names", None)  # EngineHost; absent on test stand-ins
+        return list(live()) if live is not None else list(self.info.lora_adapters)
+
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names, or None (the base model, or no adapter of that name)."""
         info = self.info
