@@ -5,6 +5,8 @@ settings are read from the environment at import time, in this process and in th
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,29 @@ apply_serving_env()
 # Tests stop replicas often (redeploys, teardown): HAProxy drops a stopped replica within a
 # second or two here, so the drain's floor need not be Ray's 30 s production default.
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+
+SHARED_SERVE = "shared_serve"
+
+
+@pytest.fixture(scope="session")
+def shared_serve() -> Iterator[Callable[..., Any]]:
+    """`local_serve.shared_service`: deploy a module's app on the Ray + Serve the session shares
+    (see tests/local_serve.py); the shared instance is stopped when the session ends."""
+    import local_serve
+
+    yield local_serve.shared_service
+    local_serve.stop_shared_service()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules on the shared Ray + Serve (any of whose tests asks for `shared_serve`) run
+    last, one after another: the shared instance starts once, no module with its own Ray has to
+    stop it, and no other test runs beside its idle processes. Modules move whole; the order
+    within each group is pytest's own."""
+    on_shared = {item.path for item in items if SHARED_SERVE in getattr(item, "fixturenames", ())}
+    rest = [item for item in items if item.path not in on_shared]
+    items[:] = rest + [item for item in items if item.path in on_shared]
+
 
 # The exit status pytest reports, kept for `pytest_unconfigure`.
 _SESSION: dict[str, int] = {}

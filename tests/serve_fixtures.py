@@ -67,8 +67,10 @@ def serve_on_local_ray(app_args: dict[str, Any], http_port: int, dashboard_port:
     import ray
     from ray import serve
 
+    from local_serve import stop_shared_service
     from service.app import build_app
 
+    stop_shared_service()  # one Ray per process: this one has its own settings
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_port=dashboard_port,
              _metrics_export_port=metrics_port, _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
              _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS})

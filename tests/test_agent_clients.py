@@ -25,12 +25,11 @@ import pytest
 from pydantic import Field
 
 from chat_tokenizers import generation_eos_ids, write_chat_tokenizer
-from local_serve import local_service
+from local_serve import SharedServe
 from tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 19400
 MODEL = "tiny-qwen"
 QUESTION = "What is the weather in Paris for the next two days?"
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
@@ -63,11 +62,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 
 
 @pytest.fixture(scope="module")
-def base_url(checkpoint: tuple[Path, int]) -> Iterator[str]:
+def base_url(checkpoint: tuple[Path, int], shared_serve: SharedServe) -> Iterator[str]:
     # No tool_call_parser: the format comes from the chat template, as it does for users.
     args = {"model": str(checkpoint[0]), "served_model_name": MODEL, "max_num_seqs": 8, "num_kv_blocks": 256,
             "engine_num_cpus": 1}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield url
 
 

@@ -26,12 +26,12 @@ from fastapi.testclient import TestClient
 from chat_tokenizers import QWEN3_TEMPLATE, generation_eos_ids, write_chat_tokenizer
 from in_process import edge_app
 from ingress_stub import StubEngine, stub_ingress
+from local_serve import SharedServe
 from model.loading.tokenizer import ByteTokenizer
 from service.api import IngressSettings, build_api
 from service.engine_loop import EngineFailure
 from tiny_models import write_tiny_llama
 
-HTTP_PORT = 19600
 MODEL = "tiny-qwen3"
 VOCAB = 400
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
@@ -351,13 +351,11 @@ def test_a_forced_tool_call_and_its_result_round_trip(engine: Any) -> None:
 
 
 @pytest.mark.slow
-def test_the_deployed_service_answers_the_messages_api(checkpoint: Path) -> None:
+def test_the_deployed_service_answers_the_messages_api(checkpoint: Path, shared_serve: SharedServe) -> None:
     """Through Ray Serve (proxy, replica): a message, its stream, a forced call and count_tokens."""
-    from local_serve import local_service
-
     args = {"model": str(checkpoint), "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 256,
             "engine_num_cpus": 1}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         sdk = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
         greedy = {"model": MODEL, "max_tokens": 16, "extra_body": GREEDY, "thinking": NO_THINKING, "messages": HI}
         msg = sdk.messages.create(**greedy)

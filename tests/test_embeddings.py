@@ -31,8 +31,8 @@ from tiny_models import EOS_TOKEN, build_tokenizer, torch_threads, write_tiny_ll
 st = pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
+from local_serve import SharedServe  # noqa: E402
 
-HTTP_PORT = 19800
 VOCAB, HIDDEN = 301, 64
 TEXTS = ["The cat sat on the mat.", "hello", "Embeddings are vectors of one length for texts of any length."]
 ST_FILES = ("modules.json", "sentence_bert_config.json", "1_Pooling", "2_Normalize")
@@ -309,12 +309,10 @@ def test_edge_api_key_and_admission(last_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def service(last_dir: Path) -> Iterator[str]:
-    from local_serve import local_service
-
+def service(last_dir: Path, shared_serve: SharedServe) -> Iterator[str]:
     args = {"model": str(last_dir), "served_model_name": "tiny-embed", "max_num_seqs": 4, "num_kv_blocks": 64,
             "engine_num_cpus": 1}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield url
 
 

@@ -15,14 +15,13 @@ import httpx
 import pytest
 import torch
 
-from local_serve import local_service
+from local_serve import SharedServe
 from model import LLM, SamplingParams
 from model.config import EngineConfig
 from service.attention_api import display_tokens
 from serve_fixtures import in_ci
 from tiny_models import torch_threads
 
-HTTP_PORT = 19510
 API_KEY = "explorer-test-key"
 MODEL = "transformer-base-trained"  # the default model: its heads learned something to show
 MAX_FLOATS = 200_000
@@ -35,10 +34,10 @@ REPLICA_THREADS = 1  # the engine replica's torch threads; offline references us
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
+def base_url(shared_serve: SharedServe) -> Iterator[str]:
     args = {"model": MODEL, "api_key": API_KEY, "max_num_seqs": 8, "num_kv_blocks": 128, "engine_num_cpus": 1,
             "torch_threads": REPLICA_THREADS, "dtype": "float32", "max_attention_floats": MAX_FLOATS}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield url
 
 

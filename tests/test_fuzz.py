@@ -19,11 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_fixtures import write_tiny_model
-from local_serve import local_service
+from local_serve import SharedServe
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 18360
 MODEL = "fuzz"
 CHAT = [{"role": "user", "content": "hi"}]
 FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
@@ -81,11 +80,11 @@ def _value(field: str) -> st.SearchStrategy[Any]:
 
 
 @pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+def http(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe) -> Iterator[httpx.Client]:
     ckpt = write_tiny_model(tmp_path_factory.mktemp("ckpt") / MODEL)
     args = {"model": str(ckpt), "served_model_name": MODEL, "max_num_seqs": 16, "num_kv_blocks": 512,
             "engine_num_cpus": 1, "max_body_bytes": 64 * 1024}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with shared_serve(args) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from chat_tokenizers import STYLES, generation_eos_ids, write_chat_tokenizer
-from local_serve import local_service
+from local_serve import SharedServe
 from model import LLM, SamplingParams
 from model.config import EngineConfig
 from tiny_models import torch_threads, write_tiny_llama
@@ -22,7 +22,6 @@ from tiny_models import torch_threads, write_tiny_llama
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 
-HTTP_PORT = 18700
 VOCAB = 400
 PROMPT = "The cat sat on the mat."
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, how are you today?"}]
@@ -50,11 +49,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, lis
 
 
 @pytest.fixture(scope="module")
-def http(checkpoint: tuple[Path, int, list[int]]) -> Iterator[httpx.Client]:
+def http(checkpoint: tuple[Path, int, list[int]], shared_serve: SharedServe) -> Iterator[httpx.Client]:
     directory = checkpoint[0]
     args = {"model": str(directory), "served_model_name": "tiny-llama", "max_num_seqs": 4, "num_kv_blocks": 64,
             "engine_num_cpus": 1}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url, httpx.Client(base_url=url, timeout=120) as client:
+    with shared_serve(args) as url, httpx.Client(base_url=url, timeout=120) as client:
         yield client
 
 

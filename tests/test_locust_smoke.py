@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from local_serve import SharedServe
 from serve_fixtures import REPO, write_tiny_model
 
 from openai_workload import RequestResult, StreamError, read_stream  # on sys.path via serve_fixtures
 from report_summary import Slo, summarize
 
-HTTP_PORT = 18530
 USERS, RUN_TIME = 4, "15s"
 SHORT_MAX, LONG_MAX = 8, 16
 LOCUST_OPTS = ["--short-max-tokens", str(SHORT_MAX), "--long-max-tokens", str(LONG_MAX),
@@ -75,12 +75,10 @@ def test_summary_counts_errors_and_goodput_under_an_slo() -> None:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from local_serve import local_service
-
+def service(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe) -> Any:
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     args = {"model": str(model), "max_num_seqs": 8, "engine_num_cpus": 1, "router_num_cpus": 0.25}
-    with local_service(args, http_port=HTTP_PORT) as url:
+    with shared_serve(args) as url:
         yield url
 
 

@@ -26,11 +26,11 @@ from pydantic import TypeAdapter
 from chat_tokenizers import generation_eos_ids, write_chat_tokenizer
 from in_process import edge_app
 from ingress_stub import stub_ingress
+from local_serve import SharedServe
 from model.loading.tokenizer import HFTokenizer
 from service.openai.responses_store import ResponseStore
 from tiny_models import write_tiny_llama
 
-HTTP_PORT = 19700
 MODEL = "tiny-qwen3"
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -367,12 +367,10 @@ def test_real_engine(engine: Any, check: Check) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(checkpoint: Path) -> Iterator[str]:
-    from local_serve import local_service
-
+def served(checkpoint: Path, shared_serve: SharedServe) -> Iterator[str]:
     args = {"model": str(checkpoint), "served_model_name": MODEL, "max_num_seqs": 8, "num_kv_blocks": 512,
             "engine_num_cpus": 1}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield url
 
 

@@ -10,24 +10,23 @@ import httpx
 import openai
 import pytest
 
-from local_serve import local_service, write_tiny_checkpoint
+from local_serve import SharedServe, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 18310
 API_KEY = "test-key-123"
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base_url(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe) -> Iterator[str]:
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_position=MAX_MODEL_LEN)
     # stream_interval_ms: every stream here carries several steps' tokens per message (the
     # other service tests stream one step per message, the default)
     args = {"model": str(ckpt), "served_model_name": MODEL, "api_key": API_KEY, "max_num_seqs": 8,
             "num_kv_blocks": 256, "engine_num_cpus": 1, "max_body_bytes": 64 * 1024, "stream_interval_ms": 40}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield url
 
 

@@ -15,11 +15,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from local_serve import local_service, write_tiny_checkpoint
+from local_serve import SharedServe, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 19100
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Give me a person."}]
 SCHEMA = {
@@ -47,11 +46,11 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base_url(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe) -> Iterator[str]:
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_position=1024)
     args = {"model": str(ckpt), "served_model_name": MODEL, "max_num_seqs": 16, "num_kv_blocks": 512,
             "engine_num_cpus": 1}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield url
 
 

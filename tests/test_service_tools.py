@@ -16,12 +16,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from chat_tokenizers import generation_eos_ids, write_chat_tokenizer
-from local_serve import local_service
+from local_serve import SharedServe
 from tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 19200
 MODEL = "tiny-qwen3"
 VOCAB = 400
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -55,10 +54,10 @@ def token_id(checkpoint: Path) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def client(checkpoint: Path) -> Iterator[openai.OpenAI]:
+def client(checkpoint: Path, shared_serve: SharedServe) -> Iterator[openai.OpenAI]:
     args = {"model": str(checkpoint), "served_model_name": MODEL, "max_num_seqs": 16, "num_kv_blocks": 512,
             "engine_num_cpus": 1}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 

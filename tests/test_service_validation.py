@@ -12,11 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from local_serve import local_service, write_tiny_checkpoint
+from local_serve import SharedServe, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 18320
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 MAX_BODY = 16 * 1024
@@ -24,11 +23,11 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+def http(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe) -> Iterator[httpx.Client]:
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_position=MAX_MODEL_LEN)
     args = {"model": str(ckpt), "served_model_name": MODEL, "max_num_seqs": 8, "num_kv_blocks": 256,
             "engine_num_cpus": 1, "max_body_bytes": MAX_BODY}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with shared_serve(args) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client
 
 

@@ -23,11 +23,10 @@ import ray
 from ray import serve
 
 from serve_fixtures import wait_until, write_tiny_model
-from local_serve import local_service
+from local_serve import SharedServe
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 18350
 MODEL = "soak"
 MAX_BODY_BYTES = 16 * 1024
 WARMUP_REQUESTS = 400
@@ -40,11 +39,11 @@ Outcome = tuple[str, int]  # (kind, status)
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base_url(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe) -> Iterator[str]:
     ckpt = write_tiny_model(tmp_path_factory.mktemp("ckpt") / MODEL)
     args = {"model": str(ckpt), "served_model_name": MODEL, "max_num_seqs": 32, "num_kv_blocks": 512,
             "engine_num_cpus": 1, "max_body_bytes": MAX_BODY_BYTES, "max_queued_requests": 4 * CLIENTS}
-    with local_service(args, HTTP_PORT, num_cpus=2) as url:
+    with shared_serve(args) as url:
         yield url
 
 
