@@ -41,6 +41,9 @@ class RopeScaling:
       max_position_embeddings), per position;
     - `longrope` multiplies the wavelengths by `short_factor`, or `long_factor` for positions past
       `original_max_position`, and scales cos/sin by `attention_factor` (None: from `factor`).
+      A sequence longer than `original_max_position` when it arrives is rotated long throughout;
+      with `recompute_past_original` (HF Phi-3's generate) one that grows past it is recomputed
+      long from position 0 (model/engine/scheduler.py).
     """
 
     kind: Literal["linear", "llama3", "yarn", "dynamic", "longrope"]
@@ -56,6 +59,7 @@ class RopeScaling:
     truncate: bool = True
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    recompute_past_original: bool = False
 
     def __post_init__(self) -> None:
         for name in ("short_factor", "long_factor"):  # lists from a config.json

@@ -6,10 +6,12 @@ greedy continuations: alone, from the prefix cache, in a batch of 16 others and 
 - Gemma 3: five windowed layers (8 tokens) to one global, a prompt longer than the window,
   local and global RoPE bases (the global one linearly scaled), q/k norms;
 - Phi-3: fused qkv_proj / gate_up_proj, LongRoPE and partial rotary (half of each head):
-  within original_max_position_embeddings against HF as it is; past it against HF's LongRoPE
-  frequencies per forward (modeling_rope_utils), step by step, with HF Phi-3's own extra step
-  switched off: its `generate` drops the cache at the crossing and recomputes every position
-  with the long factors, which the engine does not do (model/layers/positions.py says why).
+  within original_max_position_embeddings; a 20-token prompt whose 32 greedy tokens cross it,
+  against HF's own generate, which drops its cache at the crossing and recomputes every position
+  with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation), as the engine's
+  scheduler does, alone, batched, cached, preempted and speculating; a prompt longer than the
+  original context, rotated long throughout; and the prefix cache never handing the K/V of one
+  regime to a sequence of the other.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 import torch
 
 from model.loading.checkpoint import CheckpointError, load_model
-from tiny_models import engine_greedy_runs, full_logits, hf_greedy, torch_threads, write_tiny_llama
+from tiny_models import engine_greedy_runs, full_logits, hf_greedy, write_tiny_llama
+from tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,22 +43,11 @@ CASES = {
     "phi3-longrope-partial-past-original": ("phi3", "Phi3ForCausalLM", dict(
         partial_rotary_factor=0.5, max_position_embeddings=128, original_max_position_embeddings=32,
         rope_scaling=PHI3_LONGROPE), 20, 32),
+    "phi3-longrope-prompt-past-original": ("phi3", "Phi3ForCausalLM", dict(
+        partial_rotary_factor=0.5, max_position_embeddings=128, original_max_position_embeddings=32,
+        rope_scaling=PHI3_LONGROPE), 40, 40),
 }
-PAST_ORIGINAL = "past-original"
-
-
-def _without_phi3_cache_recompute(hf) -> None:
-    """HF's generate without Phi3ForCausalLM's prepare_inputs_for_generation override (the one
-    that drops the cache when the sequence first passes original_max_position_embeddings)."""
-    import types
-
-    hf.prepare_inputs_for_generation = types.MethodType(transformers.GenerationMixin.prepare_inputs_for_generation, hf)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
+CROSSING = "phi3-longrope-partial-past-original"
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -65,8 +57,6 @@ def case(request, tmp_path_factory):
                                  with_tokenizer=False, **overrides)
     hf = getattr(transformers, hf_cls).from_pretrained(directory, dtype=torch.float32,
                                                        attn_implementation="eager").eval()
-    if PAST_ORIGINAL in request.param:
-        _without_phi3_cache_recompute(hf)
     prompt = torch.randint(0, 301, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
     return request.param, directory, hf, prompt
 
@@ -96,7 +86,14 @@ def test_logits_match_hf(case) -> None:
     tokens = torch.randint(0, 301, (CASES[name][4],), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0]
-    torch.testing.assert_close(full_logits(model, tokens, block_size=8), expected, atol=LOGITS_ATOL, rtol=0)
+    ours = full_logits(model, tokens, block_size=8, rope_long=_longer_than_original(hf, len(tokens)))
+    torch.testing.assert_close(ours, expected, atol=LOGITS_ATOL, rtol=0)
+
+
+def _longer_than_original(hf, length: int) -> bool:
+    """Whether HF's forward over `length` tokens takes LongRoPE's long factors at every position."""
+    original = getattr(hf.config, "original_max_position_embeddings", None) if hf.config.model_type == "phi3" else None
+    return original is not None and length > original
 
 
 def test_greedy_matches_hf_alone_cached_batched_and_preempted(case) -> None:
@@ -121,21 +118,107 @@ def test_soft_capping_is_what_makes_gemma2_match(case) -> None:
     assert (full_logits(model, tokens, block_size=8) - expected).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("case", ["phi3-longrope-partial-past-original"], indirect=True)
-def test_phi3_past_the_original_context_matches_hf_longrope_step_by_step(case) -> None:
-    """LongRoPE switches to the long factors at position 32: a 20-token prompt and 32 greedy
-    tokens cross it; our logits at each generated position equal HF generate's (without
-    Phi-3's cache recompute at the crossing)."""
+def _phi3_hf(directory, recompute: bool = True):
+    hf = transformers.Phi3ForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    if not recompute:  # HF's generate without Phi-3's cache drop at the crossing
+        import types
+
+        hf.prepare_inputs_for_generation = types.MethodType(transformers.GenerationMixin.prepare_inputs_for_generation, hf)
+    return hf
+
+
+def _llm(directory, **engine):
+    from model import LLM
+    from model.config import EngineConfig
+
+    return LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(block_size=8, **engine))
+
+
+def _greedy(n: int = GREEDY):
+    from model import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("case", [CROSSING], indirect=True)
+def test_phi3_crossing_the_original_context_recomputes_as_hf_generate_does(case) -> None:
+    """At the crossing HF Phi-3 recomputes everything with the long factors; the greedy
+    continuation without that recompute differs (so the parity test above needs it), and the
+    engine recomputed the sequence once, also when speculating (ngram proposals stop short of
+    the crossing: HF verifies none of them against short-regime K/V)."""
     _, directory, hf, prompt = case
+    expected = hf_greedy(hf, prompt, GREEDY)
+    assert hf_greedy(_phi3_hf(directory, recompute=False), prompt, GREEDY) != expected
+    llm = _llm(directory)
+    assert llm.generate([prompt], _greedy())[0].token_ids == expected
+    assert llm.engine.scheduler.num_rope_recomputes == 1
+    assert llm.engine.stats().num_preemptions_total == 0  # a recompute is not a preemption
+    spec = _llm(directory, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                               "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert spec.generate([prompt], _greedy())[0].token_ids == expected
+    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("case", ["phi3-longrope-prompt-past-original"], indirect=True)
+def test_phi3_prompt_past_the_original_context_is_rotated_long_throughout(case) -> None:
+    """HF's forward over a 40-token prompt (original context 32) rotates all of it long;
+    rotating only the positions past 32 long (the per-position rule) is far off it."""
+    name, directory, hf, _ = case
     _, model = load_model(directory)
-    hf.generation_config.eos_token_id = None
+    tokens = torch.randint(0, 301, (40,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=GREEDY, do_sample=False, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    ours = full_logits(model, prompt + tokens[:-1], block_size=8)[len(prompt) - 1:]
-    torch.testing.assert_close(ours, torch.cat(out.logits), atol=LOGITS_ATOL, rtol=0)
+        expected = hf(tokens[None]).logits[0]
+    assert (full_logits(model, tokens, block_size=8) - expected).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("case", [CROSSING], indirect=True)
+def test_phi3_prefix_cache_keeps_short_and_long_regimes_apart(case) -> None:
+    """A short prompt's blocks are cached short; a 40-token prompt starting with it (rotated
+    long) must not take them, nor the short prompt (again) the long one's; both equal HF."""
+    _, directory, hf, prompt = case
+    longer = prompt + torch.randint(0, 301, (20,), generator=torch.Generator().manual_seed(7)).tolist()
+    expected_short, expected_long = hf_greedy(hf, prompt, 8), hf_greedy(hf, longer, 8)
+    llm = _llm(directory)
+    assert llm.generate([prompt], _greedy(8))[0].token_ids == expected_short
+    hits = llm.engine.stats().prefix_cache_hits
+    assert llm.generate([longer], _greedy(8))[0].token_ids == expected_long
+    assert llm.engine.stats().prefix_cache_hits == hits  # nothing of the short regime reused
+    out = llm.generate([prompt, longer], _greedy(8))
+    assert [o.token_ids for o in out] == [expected_short, expected_long]
+    assert llm.engine.stats().prefix_cache_hits - hits >= 16 + 32  # each regime found its own blocks
+
+
+def test_scheduler_recomputes_a_sequence_crossing_the_original_context_in_the_same_step() -> None:
+    """The scheduler's side (no torch): a sequence longer than the original context (8) on
+    arrival is long; one growing past it is dropped and recomputed long from position 0 in the
+    step it crosses, under new block hashes, without counting as a preemption; speculation room
+    ends at the crossing."""
+    from model import SamplingParams
+    from model.engine.block_manager import BlockManager
+    from model.engine.scheduler import Scheduler
+    from model.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(16, 4, enable_prefix_caching=True), 4, 64, rope_long_from=8, rope_recompute=True)
+    short, long = Sequence("s", list(range(50, 56)), SamplingParams(max_tokens=8)), \
+        Sequence("l", list(range(9)), SamplingParams(max_tokens=8))
+    sched.add(short)
+    sched.add(long)
+    assert (short.rope_long, long.rope_long) == (False, True)
+    assert (sched.tokens_before_recompute(short), sched.tokens_before_recompute(long)) == (2, None)
+    steps = []
+    for token in (100, 101, 102):  # 6 -> 9 tokens: the third step's sequence crossed
+        out = sched.schedule()
+        steps.append({s.seq.request_id: (s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled})
+        sched.computed(out)
+        short_hashes = list(short.block_hashes)
+        for seq in (short, long):
+            seq.output_token_ids.append(token)
+    out = sched.schedule()
+    steps.append({s.seq.request_id: (s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled})
+    assert steps == [{"s": (0, 6), "l": (0, 9)}, {"s": (6, 1), "l": (9, 1)}, {"s": (7, 1), "l": (10, 1)},
+                     {"l": (11, 1), "s": (0, 9)}]
+    assert short.rope_long and sched.num_rope_recomputes == 1 and sched.num_preemptions == 0
+    assert sched.blocks.hashes(short)[:2] != short_hashes[:2] and len(short_hashes) == 2
 
 
 def test_gemma3_config_without_layer_types_and_refusals(tmp_path) -> None:

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from model.config import MoEConfig
 from model.layers.moe import Experts, route
 from model.loading.checkpoint import load_model
-from tiny_models import engine_greedy_runs, full_logits, hf_greedy, torch_threads, write_tiny_llama
+from tiny_models import engine_greedy_runs, full_logits, hf_greedy, write_tiny_llama
+from tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,14 +50,6 @@ HF_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM
               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 DENSE_LAYERS = {"mixtral": (), "qwen2_moe": (0,), "qwen3_moe": (1,), "gpt_oss": ()}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These shapes gain nothing from a second thread, and on a shared 2-core machine OpenMP's
-    barrier waits made this module 4x slower (96 s against 22 s at a load average of 5). HF's
-    references and our runs share the thread count, so comparisons stay in-process exact."""
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from model.loading.checkpoint import CheckpointError, load_model
-from tiny_models import engine_greedy_runs, full_logits, torch_threads, write_tiny_llama
+from tiny_models import engine_greedy_runs, full_logits, write_tiny_llama
+from tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,11 +36,6 @@ CASES = {
     "longrope": (LONGROPE, 128, 32),
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

@@ -12,19 +12,14 @@ import torch
 from model.layers import paged_attention as pa
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.loading.checkpoint import load_model
-from tiny_models import engine_greedy_runs, full_logits, hf_greedy, torch_threads, write_tiny_llama
+from tiny_models import engine_greedy_runs, full_logits, hf_greedy, write_tiny_llama
+from tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
 
 transformers = pytest.importorskip("transformers")
 
 LOGITS_ATOL = 1e-4
 WINDOW, PROMPT, GREEDY = 64, 200, 32
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one torch thread is faster than two (and far faster on a loaded machine)."""
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

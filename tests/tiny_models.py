@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
@@ -39,6 +40,16 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every test of a module that imports this fixture runs on one torch thread. Tiny shapes
+    gain nothing from a second one, and on a shared 2-core machine OpenMP's barrier waits made
+    such modules several times slower; HF's references and our runs share the thread count, so
+    in-process comparisons stay exact."""
+    with torch_threads(1):
+        yield
 
 
 def build_tokenizer(vocab_size: int):
@@ -93,8 +104,11 @@ def save_tiny_gpt2(directory: str | Path, n_layer: int = 2, n_head: int = 2, n_e
     return directory
 
 
-def full_logits(model: nn.Module, token_ids: list[int] | torch.Tensor, block_size: int = 16) -> torch.Tensor:
-    """Our model's logits (T, vocab) for one sequence, prefilled in one pass over a fresh cache."""
+def full_logits(model: nn.Module, token_ids: list[int] | torch.Tensor, block_size: int = 16,
+                rope_long: bool = False) -> torch.Tensor:
+    """Our model's logits (T, vocab) for one sequence, prefilled in one pass over a fresh cache
+    (`rope_long`: every position rotated with LongRoPE's long factors, as for a sequence longer
+    than the original context)."""
     tokens = torch.as_tensor(token_ids, dtype=torch.long)
     t = tokens.shape[0]
     cfg = model.cfg
@@ -102,7 +116,8 @@ def full_logits(model: nn.Module, token_ids: list[int] | torch.Tensor, block_siz
     dtype = next(model.parameters()).dtype
     cache = KVCache(cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.d_head, dtype, "cpu")
     meta = AttnMetadata(slot_mapping=torch.arange(t), prefills=[
-        PrefillChunk(start=0, length=t, context_len=t, block_table=torch.arange(num_blocks))])
+        PrefillChunk(start=0, length=t, context_len=t, block_table=torch.arange(num_blocks))],
+        rope_long=torch.ones(t, dtype=torch.bool) if rope_long else None)
     with torch.no_grad():
         return model.compute_logits(model(tokens, torch.arange(t), meta, cache))
 

@@ -119,8 +119,11 @@ class Engine:
         salt = f"{model}|{cfg!r}|{self.dtype}".encode()
         caching = self.config.enable_prefix_caching and self.config.enable_kv_cache
         blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt)
+        longrope = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope" else None
         self.scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   recompute_all=not self.config.enable_kv_cache)
+                                   recompute_all=not self.config.enable_kv_cache,
+                                   rope_long_from=longrope.original_max_position if longrope else None,
+                                   rope_recompute=longrope is not None and longrope.recompute_past_original)
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
                                    self.config.block_size, max_len,
                                    self.quant_scheme.method if self.quant_scheme else "none")
@@ -297,6 +300,8 @@ class Engine:
                     or seq.num_uncomputed_tokens != 1:
                 continue
             room = min(seq.params.max_tokens - len(seq.output_token_ids), self.runtime.max_model_len - seq.num_tokens) - 1
+            before = self.scheduler.tokens_before_recompute(seq)
+            room = room if before is None else min(room, before)
             if room >= 1:
                 want.append((seq, room, req.generator))
         self.spec.propose(want)

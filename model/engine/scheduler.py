@@ -6,6 +6,11 @@ while budget, sequence slots and KV blocks last. When blocks run out, the newest
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
 With prefix caching a sequence is admitted with the longest run of cached full blocks that
 matches its tokens and computes only the rest (see block_manager.py).
+
+LongRoPE (`rope_long_from`: the original context): a sequence longer than it on arrival is
+rotated with the long factors throughout (`Sequence.rope_long`, which also salts its block
+hashes); with `rope_recompute` (HF Phi-3's generate) a sequence that grows past it drops its
+K/V and is recomputed long from position 0 in the same step, as HF drops its cache there.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class Scheduler:
     """Owns the waiting queue, the running batch and the block manager."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 recompute_all: bool = False) -> None:
+                 recompute_all: bool = False, rope_long_from: int | None = None, rope_recompute: bool = False) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,9 +61,22 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.rope_long_from = rope_long_from
+        self.rope_recompute = rope_recompute and rope_long_from is not None
+        self.num_rope_recomputes = 0
 
     def add(self, seq: Sequence) -> None:
+        if self.rope_long_from is not None and seq.num_tokens > self.rope_long_from:
+            seq.rope_long = True
         self.waiting.append(seq)
+
+    def tokens_before_recompute(self, seq: Sequence) -> int | None:
+        """How many tokens `seq` can grow by before its LongRoPE recompute (None: it never
+        recomputes): speculative proposals stay within it, so that none is verified against
+        K/V of the short regime that HF computes in the long one."""
+        if not self.rope_recompute or seq.rope_long:
+            return None
+        return self.rope_long_from - seq.num_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -74,6 +92,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.rope_recompute and not seq.rope_long and seq.num_tokens > self.rope_long_from:
+                self._recompute_long(seq, out)  # re-admitted this step, at the head of the queue
+                continue
             if self.recompute_all:
                 seq.num_computed_tokens = 0
             n = min(seq.num_uncomputed_tokens, budget)
@@ -126,6 +147,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+    def _recompute_long(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """`seq` crossed the original context: drop its short-regime K/V (their committed blocks
+        stay cached for sequences of that regime) and queue it first, to be computed long."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.rope_long, seq.block_hashes = True, []
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1  # not a first admission: its cached-token count stays
+        self.num_rope_recomputes += 1
+        self.waiting.appendleft(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         writing: set[bytes] | None = None

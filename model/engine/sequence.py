@@ -83,6 +83,9 @@ class Sequence:
     # slot in the wrapped layers once the engine has one for it (-1: none).
     lora: str | None = None
     lora_slot: int = -1
+    # LongRoPE: the sequence is rotated with the long factors at every position (it was longer
+    # than the original context when it arrived, or grew past it and was recomputed).
+    rope_long: bool = False
 
     @property
     def token_ids(self) -> list[int]:

@@ -11,13 +11,14 @@ only: HF recomputes the frequencies per forward from the longest sequence in it,
 sequence of p + 1 tokens, and the cached keys keep theirs; here every token is. That makes a
 cached key independent of the request it came from (prefix caching, preemption and batching
 stay exact), and equals HF's generate whenever the prompt itself fits in the original context
-(dynamic: max_position_embeddings) -- for a longer prompt HF rotates all of it with the
-long-context frequencies, here only the positions past the original context.
-One HF model differs: Phi-3's `generate` (Phi3ForCausalLM.prepare_inputs_for_generation) drops
-its cache when a sequence first grows past original_max_position_embeddings and recomputes it
-with the long factors, so past that point every position, and every layer's keys and values,
-use them. Matching that needs the engine to recompute such a sequence at the crossing and to
-keep blocks of the two regimes apart in the prefix cache; not done (the README's note says so).
+(dynamic: max_position_embeddings).
+LongRoPE also takes a per-row `long` mask (AttnMetadata.rope_long): a sequence that arrives
+longer than original_max_position_embeddings is rotated long throughout, as HF's prefill of it
+is; HF Phi-3's `generate` (Phi3ForCausalLM.prepare_inputs_for_generation) also drops its cache
+when a sequence first grows past that length and recomputes it all with the long factors, which
+the scheduler does by recomputing such a sequence at the crossing (RopeScaling.recompute_past_original),
+the prefix cache keeping the two regimes' blocks apart. A dynamic-NTK prompt longer than
+max_position_embeddings is still rotated per position here (HF: all of it with its length's base).
 """
 
 from __future__ import annotations
@@ -143,8 +144,9 @@ class RotaryEmbedding(nn.Module):
         self.long_inv_freq = (PerDevice(_longrope_inv_freq(dim, theta, scaling.long_factor))
                               if scaling is not None and scaling.kind == "longrope" else None)
 
-    def _inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
-        """(T, dim / 2) or (1, dim / 2) float32: each position's inverse frequencies."""
+    def _inv_freq(self, positions: torch.Tensor, long: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, dim / 2) or (1, dim / 2) float32: each position's inverse frequencies (`long`:
+        (T,) bool, rows that take LongRoPE's long factors at any position)."""
         inv = self.inv_freq.on(positions.device)[None, :]
         scaling = self.scaling
         if scaling is None or scaling.kind not in ("dynamic", "longrope"):
@@ -152,6 +154,8 @@ class RotaryEmbedding(nn.Module):
         seq_len = positions[:, None] + 1  # HF: a forward's frequencies follow max(position) + 1
         beyond = seq_len > scaling.original_max_position
         if self.long_inv_freq is not None:
+            if long is not None:
+                beyond = beyond | long[:, None]
             return torch.where(beyond, self.long_inv_freq.on(positions.device)[None, :], inv)
         # dynamic NTK, as HF computes it (float32 tensors): base * (factor * L / max - (factor - 1)) ** (d / (d - 2))
         orig = scaling.original_max_position
@@ -160,9 +164,11 @@ class RotaryEmbedding(nn.Module):
         exps = torch.arange(0, self.dim, 2, dtype=torch.int64, device=positions.device).float() / self.dim
         return torch.where(beyond, 1.0 / (base ** exps[None, :]), inv)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> cos, sin (T, 1, rotary_dim), computed in float32 then cast."""
-        freqs = positions[:, None].float() * self._inv_freq(positions)  # (T, d/2)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin (T, 1, rotary_dim), computed in float32 then cast; `long`
+        (T,) bool: LongRoPE rows rotated with the long factors whatever their position."""
+        freqs = positions[:, None].float() * self._inv_freq(positions, long)  # (T, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, d)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:

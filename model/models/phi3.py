@@ -2,12 +2,14 @@
 projections fused into one `qkv_proj` (rows: q, then k, then v) and gate/up into one
 `gate_up_proj`, kept fused here as the checkpoint stores them (one matmul each, names
 unchanged); LongRoPE (`short_factor`/`long_factor`) and partial rotary (Phi-4-mini rotates
-3/4 of each head) come from the shared RoPE; Phi-3-mini-4k's sliding window from the shared
+3/4 of each head) come from the shared RoPE, with HF Phi-3's recompute of a sequence growing
+past original_max_position_embeddings (RopeScaling.recompute_past_original); Phi-3-mini-4k's sliding window from the shared
 attention.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -44,6 +46,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 def _parse(raw: dict[str, Any], has_tokenizer: bool) -> ModelConfig:
     cfg = _parser(qkv_bias=False, qk_norm=False)(raw, has_tokenizer)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope":
+        # Phi3ForCausalLM.prepare_inputs_for_generation: a sequence growing past the original
+        # context is recomputed with the long factors.
+        cfg = cfg.replace(rope_scaling=dataclasses.replace(cfg.rope_scaling, recompute_past_original=True))
     return cfg.replace(arch="phi3")
 
 
