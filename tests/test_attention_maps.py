@@ -1,5 +1,6 @@
 """Per-head attention weights (`LLM.attention`): equal to HF's eager `output_attentions` for
-GPT-2 and a grouped-query Llama, equal to references written here for the paper's dot and
+GPT-2, a grouped-query Llama, Gemma 2 (soft-capping, a sliding window) and gpt-oss (sinks, a
+sliding window), equal to references written here for the paper's dot and
 additive attention, `scale: "none"` changes only the scaling, and requests beside an
 attention request produce exactly what they produce alone."""
 
@@ -47,6 +48,40 @@ def test_weights_equal_hf_eager(tmp_path, arch):
     gen = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids
     assert maps.token_ids == ids + gen
     torch.testing.assert_close(maps.weights, _hf_weights(path, ids + gen)[:, :, -1:], atol=1e-5, rtol=0)
+
+
+# What the layer's attention does beyond softmax(q.k * scale), checked against HF's eager weights:
+# Gemma 2 (soft-capped scores, query_pre_attn_scalar, an 8-token window on layer 0 of a 20-token
+# prompt) and gpt-oss (sink logits in each softmax's denominator, the same window).
+WINDOWED = {
+    "gemma2": dict(head_dim=16, tie_word_embeddings=True, query_pre_attn_scalar=24, sliding_window=8,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+def test_windowed_softcapped_and_sink_weights_equal_hf_eager(tmp_path, arch):
+    path = str(write_tiny_llama(tmp_path, arch, seed=5, with_tokenizer=False, **WINDOWED[arch]))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    if arch == "gpt_oss":  # HF initialises sinks to 0 (a constant shift): make them differ per head
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, layer.self_attn.sinks.numel()))
+        hf.save_pretrained(path)
+    ids = torch.randint(0, 301, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = torch.stack([a[0] for a in hf(torch.tensor([ids]), output_attentions=True).attentions])
+    ours = LLM(path, dtype="float32", engine_config=ENGINE).attention(ids)
+    assert ours.shape == ref.shape == (2, 4, 20, 20)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    assert (ours[0].tril(-8) == 0).all() and (ours[1].tril(-8) > 0).any()  # layer 0 windowed, layer 1 global
+    if arch == "gpt_oss":
+        assert (ours.sum(-1) < 1 - 1e-3).all()  # the sinks took their share of every row
+    else:
+        assert (ours.sum(-1) - 1).abs().max() < 1e-5
 
 
 def _layer_inputs(llm: LLM) -> dict[int, torch.Tensor]:

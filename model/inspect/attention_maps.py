@@ -6,12 +6,17 @@ every architecture calls) hands the capture its queries and cached keys; the cap
 the weights with an explicit reference computation that the fused and SDPA paths never do:
 
 - dot: softmax(q k^T * scale) under the causal mask, query head h reading KV head
-  h // (Hq / Hkv) (grouped-query attention); `scale` is the model's own (1/sqrt(d_k)), or 1
-  for the request's `scale: "none"` (the hidden states are always the model's own).
+  h // (Hq / Hkv) (grouped-query attention); `scale` is the model's own (1/sqrt(d_k), or
+  Gemma's query_pre_attn_scalar), or 1 for the request's `scale: "none"` (the hidden states are
+  always the model's own). What the layer's own attention does to the scores is done here too:
+  a sliding window masks keys more than `window - 1` positions before the row, Gemma 2's
+  soft-cap turns scores s into tanh(s / cap) * cap (with the model's scale; `scale: "none"`
+  shows the raw q.k), and gpt-oss's sink logit joins each row's softmax denominator, so a row's
+  weights sum to less than 1 (the rest went to the sink), as HF's `output_attentions` gives them.
 - additive: softmax(v^T tanh(W_q q + W_k k)) with the layer's own parameters.
 
 Only the requested layers, heads and query rows are materialised. Keys after a row's
-position get weight exactly 0.
+position, or outside its window, get weight exactly 0.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ class AttentionCapture:
         self.score_std: dict[int, torch.Tensor] = {}
         self.entropy: dict[int, torch.Tensor] = {}
 
-    def record(self, attn: object, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> None:
+    def record(self, attn: object, q: torch.Tensor, meta: AttnMetadata, cache: KVCache,
+               sinks: torch.Tensor | None = None) -> None:
         """Called by `PagedAttention` after it wrote this step's K/V: q (T, Hq, d) of the
-        single prefill chunk that covers the whole sequence."""
+        single prefill chunk that covers the whole sequence; `sinks` (Hq,) the layer's sink logits."""
         layer = attn.layer  # type: ignore[attr-defined]
         if layer not in self.layers:
             return
@@ -71,9 +77,13 @@ class AttentionCapture:
         qr = q[rows][:, heads].float()  # (R, h, d)
         group = q.shape[1] // k.shape[1]  # query heads per KV head
         scores = self._scores(attn, qr, k, heads, group)  # (h, R, S)
-        visible = torch.arange(s, device=q.device)[None, :] <= rows[:, None]  # (R, S)
+        keys = torch.arange(s, device=q.device)[None, :]
+        visible = keys <= rows[:, None]  # (R, S)
+        window = getattr(attn, "window", None)
+        if window is not None:
+            visible = visible & (keys > rows[:, None] - window)
         scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)  # (h, R, S); masked keys are exactly 0
+        weights = _softmax(scores, None if sinks is None else sinks[heads].float())  # (h, R, S); masked: 0
         self.weights[layer] = weights.cpu()
         self.score_std[layer] = _masked_std(scores, visible).cpu()
         logs = torch.where(weights > 0, weights.log(), torch.zeros_like(weights))
@@ -86,8 +96,21 @@ class AttentionCapture:
         if isinstance(score, AdditiveScore):
             return _additive_scores(score, q, k, heads)
         kh = k[:, heads // group]  # (S, h, d): query head h reads KV head h // group
-        scale = 1.0 if self.unscaled else attn.scale  # type: ignore[attr-defined]
-        return torch.einsum("rhd,shd->hrs", q, kh) * scale
+        if self.unscaled:
+            return torch.einsum("rhd,shd->hrs", q, kh)
+        scores = torch.einsum("rhd,shd->hrs", q, kh) * attn.scale  # type: ignore[attr-defined]
+        softcap = getattr(attn, "softcap", None)
+        return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Row softmax of scores (h, R, S); with sinks (h,), each head's sink logit joins every row's
+    denominator (a column dropped afterwards), as gpt-oss's attention computes it."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    h, r, _ = scores.shape
+    logits = torch.cat([scores, sinks.view(h, 1, 1).expand(h, r, 1)], dim=-1)  # (h, R, S + 1)
+    return torch.softmax(logits, dim=-1)[..., :-1]
 
 
 def _additive_scores(score: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:

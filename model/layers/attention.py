@@ -196,7 +196,7 @@ class PagedAttention:
             else:
                 out[sl] = self._prefill(q[sl], chunk.block_table, chunk.context_len, cache, meta, fused, sinks)
         if meta.capture is not None:  # an attention request's recompute (model/inspect/attention_maps.py)
-            meta.capture.record(self, q, meta, cache)
+            meta.capture.record(self, q, meta, cache, sinks)
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache, fused: bool,
