@@ -302,6 +302,12 @@ class EngineConfig:
     lora_dynamic_path: str | None = None
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Tensor parallelism (model/engine/parallel/): the model's heads, MLP columns and vocabulary split
+    # over this many Ray worker actors (gloo on the CPU, NCCL on CUDA, one GPU each); each CPU worker
+    # takes `tp_worker_num_cpus`. Pipeline parallelism is not supported yet (only 1).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    tp_worker_num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         from model.engine.spec_decode.config import SpeculativeConfig  # noqa: PLC0415 (model.engine imports this module)
@@ -329,6 +335,23 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {self.attention_backend!r}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size!r} is not supported yet: "
+                             "only 1 (use tensor_parallel_size to split a model over workers)")
+        if not self.tp_worker_num_cpus > 0:
+            raise ValueError(f"tp_worker_num_cpus must be > 0, got {self.tp_worker_num_cpus}")
+        if self.tensor_parallel_size > 1:
+            for name, off in (("quantization", self.quantization == "none"),
+                              ("speculative_config", self.speculative_config is None),
+                              ("lora_modules", not self.lora_modules and not self.lora_dynamic_path)):
+                if not off:
+                    raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 (got "
+                                     f"tensor_parallel_size={self.tensor_parallel_size}); use one or the other")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

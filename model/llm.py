@@ -41,19 +41,28 @@ class LLM:
                  seed: int = 0, engine_config: EngineConfig | None = None, revision: str | None = None,
                  enforce_eager: bool | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, quantization_group_size: int | None = None,
-                 speculative_config: dict | None = None) -> None:
+                 speculative_config: dict | None = None, tensor_parallel_size: int | None = None,
+                 pipeline_parallel_size: int | None = None) -> None:
         """`enforce_eager`, `attention_backend`, `quantization` (none | int8 | int4; a GPTQ/AWQ
-        checkpoint loads as it is quantized), `quantization_group_size` and `speculative_config`
-        (model/engine/spec_decode/config.py), when given, replace those fields of `engine_config`."""
+        checkpoint loads as it is quantized), `quantization_group_size`, `speculative_config`
+        (model/engine/spec_decode/config.py) and `tensor_parallel_size` / `pipeline_parallel_size`
+        (model/engine/parallel/: Ray worker actors, a local Ray started when none runs), when given,
+        replace those fields of `engine_config`."""
         changes = {k: v for k, v in (("enforce_eager", enforce_eager), ("attention_backend", attention_backend),
                                      ("quantization", quantization),
                                      ("quantization_group_size", quantization_group_size),
-                                     ("speculative_config", speculative_config)) if v is not None}
+                                     ("speculative_config", speculative_config),
+                                     ("tensor_parallel_size", tensor_parallel_size),
+                                     ("pipeline_parallel_size", pipeline_parallel_size)) if v is not None}
         if changes:
             engine_config = (engine_config or EngineConfig()).replace(**changes)
         self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed, revision=revision)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (idempotent)."""
+        self.engine.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """`SamplingParams()` with the checkpoint's `generation_config.json` defaults

@@ -51,8 +51,71 @@ def test_mistral_window_logits_match_hf(mistral) -> None:
 def test_mistral_window_greedy_matches_hf_alone_batched_preempted_and_cached(mistral) -> None:
     directory, hf, prompt = mistral
     expected = hf_greedy(hf, prompt, GREEDY)
-    runs = engine_greedy_runs(directory, prompt, GREEDY, vocab=301)
+    # Out-of-window blocks are given back as decoding moves on: the pool is the least that admits
+    # the request (29 blocks of 8), with short steps, for a preemption to happen.
+    runs = engine_greedy_runs(directory, prompt, GREEDY, vocab=301,
+                              preemption_engine={"num_kv_blocks": 29, "max_num_batched_tokens": 64})
     assert runs == dict.fromkeys(runs, expected)
+
+
+def _held(seq) -> int:
+    return len(seq.block_table) - seq.num_released_blocks
+
+
+@pytest.mark.parametrize("backend", ["gather", "fused"])
+def test_mistral_out_of_window_blocks_are_given_back_and_outputs_stay_exact(mistral, backend) -> None:
+    """Every layer windowed (64): a sequence holds at most window / block_size + 2 blocks once it
+    decodes (not its whole length), on the gather path (which reads the released entries' null
+    block under its mask) and the fused kernel; HF's tokens still."""
+    from model import LLM, SamplingParams
+    from model.config import EngineConfig
+    from model.layers.paged_attention import use_fused
+
+    if backend == "fused" and not use_fused(torch.device("cpu")):
+        pytest.skip("the fused CPU kernel is not built here")
+    directory, hf, prompt = mistral
+    expected = hf_greedy(hf, prompt, GREEDY)
+    llm = LLM(str(directory), device="cpu", dtype="float32",
+              engine_config=EngineConfig(block_size=8, attention_backend=backend))
+    engine = llm.engine
+    engine.add_request("w", prompt, SamplingParams(max_tokens=GREEDY, temperature=0, ignore_eos=True))
+    held, tokens = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        held += [_held(s) for s in engine.scheduler.running]
+    assert tokens == expected
+    assert max(held[1:]) <= WINDOW // 8 + 2 < held[0] == 25  # after the 200-token prefill
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks  # all back at the end
+
+
+def test_mistral_released_blocks_under_preemption_and_speculation(mistral, monkeypatch) -> None:
+    """A windowed sequence preempted after it gave blocks back (four others arrive first and
+    grow in a pool of 29 until the newest, it, is preempted) is recomputed to HF's tokens, and a
+    speculating run (ngram) past the window equals HF too."""
+    from model import LLM, SamplingParams
+    from model.config import EngineConfig
+    from model.engine.scheduler import Scheduler
+
+    directory, hf, prompt = mistral
+    preempted = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq, out: (
+        preempted.append((seq.request_id, seq.num_released_blocks)), preempt(self, seq, out)))
+    longer = torch.randint(0, 301, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    others = [[(7 * i + j) % 301 for j in range(8)] for i in range(4)]
+    llm = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(block_size=8, num_kv_blocks=29))
+    outs = llm.generate(others + [longer], [SamplingParams(max_tokens=56, temperature=0, ignore_eos=True)] * 4
+                        + [SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)])
+    assert outs[4].token_ids == hf_greedy(hf, longer, 80)
+    # Only the 150-token sequence outgrows the window (the others end at 64 tokens): it is the one.
+    assert any(released > 0 for _, released in preempted), preempted
+    greedy = SamplingParams(max_tokens=GREEDY, temperature=0, ignore_eos=True)
+    spec = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(
+        block_size=8, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                          "prompt_lookup_max": 3}))
+    assert spec.generate([prompt, prompt], greedy)[1].token_ids == hf_greedy(hf, prompt, GREEDY)
+    assert spec.engine.stats().spec_decode_num_draft_tokens > 0
 
 
 def test_qwen2_max_window_layers_mix_windowed_and_full_layers(tmp_path) -> None:

@@ -215,11 +215,13 @@ def _other_requests(n: int, vocab: int, seed: int):
 
 
 def engine_greedy_runs(directory: str | Path, prompt: list[int], max_tokens: int, vocab: int,
-                       block_size: int = 8) -> dict[str, list[int]]:
+                       block_size: int = 8, preemption_engine: dict | None = None) -> dict[str, list[int]]:
     """Our greedy continuation of `prompt` (ignore_eos), fp32 on the CPU, four ways:
     `alone`; `prefix_cache` (the same prompt again, its full blocks found in the prefix cache);
     `batch` (inside 16 other requests, with prompts chunked over steps of 48 tokens);
-    `preemption` (with 8 others in a pool too small for all, so some are preempted).
+    `preemption` (with 8 others in a pool too small for all, so some are preempted; the pool
+    is `own + 3` blocks unless `preemption_engine` gives other EngineConfig fields: a model
+    whose sequences give back out-of-window blocks needs a tighter one).
     Asserts that the cache was hit and that preemption happened."""
     from model import LLM, SamplingParams
     from model.config import EngineConfig
@@ -238,7 +240,8 @@ def engine_greedy_runs(directory: str | Path, prompt: list[int], max_tokens: int
     runs["batch"] = outs[8].token_ids
     own = math.ceil((len(prompt) + max_tokens) / block_size)
     llm = LLM(str(directory), device="cpu", dtype="float32",
-              engine_config=EngineConfig(num_kv_blocks=own + 3, block_size=block_size))
+              engine_config=EngineConfig(**{"num_kv_blocks": own + 3, "block_size": block_size,
+                                             **(preemption_engine or {})}))
     others, params = _other_requests(8, vocab, seed=4)
     outs = llm.generate(others[:4] + [prompt] + others[4:], params[:4] + [greedy] + params[4:])
     assert llm.engine.stats().num_preemptions_total > 0

@@ -8,6 +8,11 @@ once its K/V are computed (`commit`), so a block still being written is never sh
 are reference-counted; one whose count drops to zero keeps its contents and stays findable
 until the pool needs its memory: plain free blocks are used first, then cached ones are
 evicted least recently used first, and of one sequence the tail of the chain before its head.
+
+Sliding windows: when every layer is windowed, a sequence's leading blocks that no future query
+can see are given back as decoding moves on (`release_out_of_window`); their table entries become
+`null_block`, an id outside the pool (the engine's scratch block, which every attention path may
+read under a mask and none attends to), so table positions, and all arithmetic on them, stay put.
 """
 
 from __future__ import annotations
@@ -56,13 +61,14 @@ class BlockManager:
     """Hands out fixed-size KV blocks; a sequence's `block_table` lists the blocks it holds in order."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", null_block: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
+        self.null_block = num_blocks if null_block is None else null_block
         self.stats = PrefixCacheStats()
         self._free: deque[int] = deque(range(num_blocks))  # count 0, nothing cached in them
         self._ref = [0] * num_blocks
@@ -128,10 +134,22 @@ class BlockManager:
             del self._cached[h]
         self._hash_of[block] = None
 
-    def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s hold on its blocks; a block nobody holds is free (and, if cached, evictable)."""
+    def release_out_of_window(self, seq: Sequence, first_visible: int) -> None:
+        """Give back `seq`'s leading blocks whose positions are all before `first_visible` (no
+        query to come sees them); committed ones stay findable by hash until evicted."""
+        end = min(max(0, first_visible) // self.block_size, len(seq.block_table))
+        if end <= seq.num_released_blocks:
+            return
+        released = seq.block_table[seq.num_released_blocks:end]
+        self._drop(released, seq)
+        seq.block_table[seq.num_released_blocks:end] = [self.null_block] * len(released)
+        seq.num_released_blocks = end
+
+    def _drop(self, blocks: list[int], seq: Sequence) -> None:
+        """Drop one hold on each of `blocks`, given head first; a block nobody holds is free (and,
+        if cached, evictable, the later ones of a chain before the earlier)."""
         plain: list[int] = []
-        for block in reversed(seq.block_table):  # tail first: it is evicted before its head
+        for block in reversed(blocks):
             if self._ref[block] <= 0:
                 raise RuntimeError(f"block {block} freed twice (sequence {seq.request_id})")
             self._ref[block] -= 1
@@ -141,9 +159,14 @@ class BlockManager:
                 else:
                     plain.append(block)
         self._free.extend(reversed(plain))
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s hold on its blocks; a block nobody holds is free (and, if cached, evictable)."""
+        self._drop(seq.block_table[seq.num_released_blocks:], seq)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.num_released_blocks = 0
 
     # ---- prefix caching ---------------------------------------------------------------
 
@@ -211,7 +234,7 @@ class BlockManager:
         hashes = self.hashes(seq)
         for i in range(seq.num_committed_blocks, full):
             block, h = seq.block_table[i], hashes[i]
-            if h not in self._cached and self._hash_of[block] is None:
+            if block != self.null_block and h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
         seq.num_committed_blocks = full

@@ -88,9 +88,16 @@ class Engine:
         torch.manual_seed(seed)
         self.model_name = model
         ec = self.config
-        self.model_config, net, self.tokenizer, self.generation_config = load_weights(
-            source, self.dtype, self.device, quantize=on_the_fly_scheme(ec.quantization, ec.quantization_group_size),
-            quantize_lm_head=ec.quantize_lm_head)
+        if ec.tensor_parallel_size > 1:  # the weights live in the workers (model/engine/parallel/)
+            from model.engine.parallel.driver import model_metadata  # noqa: PLC0415 (imports Ray)
+
+            self.model_config, self.tokenizer, self.generation_config = model_metadata(source)
+            net = None
+        else:
+            self.model_config, net, self.tokenizer, self.generation_config = load_weights(
+                source, self.dtype, self.device,
+                quantize=on_the_fly_scheme(ec.quantization, ec.quantization_group_size),
+                quantize_lm_head=ec.quantize_lm_head)
         self.quant_scheme = quantization_of(net)  # on the fly, or the checkpoint's own (GPTQ, AWQ)
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
@@ -99,11 +106,17 @@ class Engine:
         num_blocks = self._num_blocks(cfg, max_len)
         # One block more than the block manager hands out: the scratch block where padding rows of
         # static (CUDA-graph) decode batches write (model/engine/runner.py).
-        cache = KVCache(cfg.n_layers, num_blocks + 1, self.config.block_size, cfg.kv_heads, cfg.d_head,
-                        self.kv_cache_dtype, self.device)
-        self.runner = ModelRunner(net, cache, self.device, self.config.attention_backend, self.config.enforce_eager,
-                                  scratch_block=num_blocks, max_num_seqs=self.config.max_num_seqs,
-                                  max_model_len=max_len)
+        if net is None:
+            from model.engine.parallel.driver import TensorParallelRunner  # noqa: PLC0415
+
+            self.runner = TensorParallelRunner(source, cfg, ec, num_blocks + 1, self.device, self.dtype,
+                                               self.kv_cache_dtype, requested_device=device)
+        else:
+            cache = KVCache(cfg.n_layers, num_blocks + 1, self.config.block_size, cfg.kv_heads, cfg.d_head,
+                            self.kv_cache_dtype, self.device)
+            self.runner = ModelRunner(net, cache, self.device, self.config.attention_backend,
+                                      self.config.enforce_eager, scratch_block=num_blocks,
+                                      max_num_seqs=self.config.max_num_seqs, max_model_len=max_len)
         self.lora: LoraManager | None = None  # LoRA adapters over this model (model/loading/lora.py)
         if ec.lora_modules or ec.lora_dynamic_path:
             self.lora = LoraManager(net, None if source in PRESETS else source, model, ec.lora_modules,
@@ -112,7 +125,9 @@ class Engine:
         self._lora_waiting: list[_Request] = []  # requests whose adapter waits for a free slot
         # Prefill-only forwards for /v1/embeddings, run by the step thread between steps (service/openai/embeddings.py).
         pooling = read_pooling_config(None if source in PRESETS else source, cfg.d_model)
-        self.embedder = Embedder(net, pooling, self.device, self.config.max_num_batched_tokens)
+        # None under tensor parallelism: embeddings need the whole model in this process.
+        self.embedder = (Embedder(net, pooling, self.device, self.config.max_num_batched_tokens)
+                         if net is not None else None)
         self.attention_shape = AttentionShape.of(cfg)
         # One engine hosts one model: its identity (weights seed/architecture, attention kind,
         # dtype) salts every block hash, since the cached K/V are a function of all of them.
@@ -123,7 +138,8 @@ class Engine:
         self.scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    recompute_all=not self.config.enable_kv_cache,
                                    rope_long_from=longrope.original_max_position if longrope else None,
-                                   rope_recompute=longrope is not None and longrope.recompute_past_original)
+                                   rope_recompute=longrope is not None and longrope.recompute_past_original,
+                                   window=_widest_window(cfg))
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
                                    self.config.block_size, max_len,
                                    self.quant_scheme.method if self.quant_scheme else "none")
@@ -210,6 +226,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(prompt, params, self.model_config.vocab_size, self.runtime.max_model_len)
         if params.attention is not None:
+            if self.runner.model is None:
+                raise ValueError("attention maps are not available with tensor_parallel_size > 1")
             check_attention(params.attention, self.attention_shape, len(prompt))
         need = blocks_for(len(prompt) + params.max_tokens, self.config.block_size)
         if need > self.runtime.num_kv_blocks:
@@ -225,6 +243,24 @@ class Engine:
         if req.seq.lora is not None:
             self._release_lora(req)
         self._aborted.append(req)
+
+    def check_health(self) -> None:
+        """Raises `model.engine.parallel.WorkerDiedError` when a tensor-parallel worker is dead;
+        nothing to check for a single-process engine."""
+        if hasattr(self.runner, "check_health"):
+            self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (idempotent; a single-process engine has none)."""
+        runner = getattr(self, "runner", None)  # absent when __init__ failed early
+        if hasattr(runner, "shutdown"):
+            runner.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: Ray may be gone already
+            pass
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
@@ -410,6 +446,14 @@ def _spec_decoder(raw: dict | None, vocab: int, eos: frozenset[int], num_blocks:
     if config.method == "draft_model":
         draft = DraftProposer(config.model, vocab, eos, num_blocks, block_size, device, dtype, backend)
     return SpecDecoder(config, draft)
+
+
+def _widest_window(cfg: ModelConfig) -> int | None:
+    """The sliding window past which a sequence's blocks can be given back: the widest of the
+    layers' windows when every layer has one (Mistral v0.1), else None (a global layer reads
+    every block, as Gemma 2/3's and gpt-oss's do)."""
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+    return None if any(w is None for w in windows) else max(windows)
 
 
 def _merge(outs: list[RequestOutput]) -> RequestOutput:

@@ -7,6 +7,11 @@ sequence is preempted: its blocks are freed and it is recomputed later from its 
 With prefix caching a sequence is admitted with the longest run of cached full blocks that
 matches its tokens and computes only the rest (see block_manager.py).
 
+Sliding windows (`window`: set when every layer is windowed, the widest window): before a
+running sequence's next tokens are scheduled, its leading blocks that no query from its next
+position on can see are given back (BlockManager.release_out_of_window), so a long generation
+holds about window / block_size blocks, not its whole length.
+
 LongRoPE (`rope_long_from`: the original context): a sequence longer than it on arrival is
 rotated with the long factors throughout (`Sequence.rope_long`, which also salts its block
 hashes); with `rope_recompute` (HF Phi-3's generate) a sequence that grows past it drops its
@@ -52,7 +57,8 @@ class Scheduler:
     """Owns the waiting queue, the running batch and the block manager."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 recompute_all: bool = False, rope_long_from: int | None = None, rope_recompute: bool = False) -> None:
+                 recompute_all: bool = False, rope_long_from: int | None = None, rope_recompute: bool = False,
+                 window: int | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,6 +70,7 @@ class Scheduler:
         self.rope_long_from = rope_long_from
         self.rope_recompute = rope_recompute and rope_long_from is not None
         self.num_rope_recomputes = 0
+        self.window = None if recompute_all else window
 
     def add(self, seq: Sequence) -> None:
         if self.rope_long_from is not None and seq.num_tokens > self.rope_long_from:
@@ -89,6 +96,9 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self.window is not None:  # first, so no sequence is preempted for blocks another gives back
+            for seq in self.running:  # keys before this are out of every query's window from now on
+                self.blocks.release_out_of_window(seq, seq.num_computed_tokens - self.window + 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

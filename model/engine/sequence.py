@@ -68,6 +68,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Leading blocks given back because they fell out of every layer's sliding window; their
+    # block_table entries hold the block manager's null block (BlockManager.release_out_of_window).
+    num_released_blocks: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     # Prefix caching (block_manager.py): hashes of the full blocks of token_ids, how many of

@@ -8,6 +8,7 @@ GPT-2's (pre-LayerNorm, learned positions, GELU, final LayerNorm, tied LM head).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,14 +84,21 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic random weights: the same model on every machine for one seed."""
+        params = dict(self.named_parameters())
+        for name, value in self.seeded_tensors(seed):
+            params[name].copy_(value)
+
+    def seeded_tensors(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, float32 CPU tensor) of every parameter's seeded value, drawn one at a time in
+        parameter order (a tensor-parallel rank slices each as it comes; works on the meta device)."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("bias"):
-                p.zero_()
+                yield name, torch.zeros(p.shape)
             elif ".ln_" in name or name.startswith("ln_"):
-                p.fill_(1.0)
+                yield name, torch.ones(p.shape)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * self._init_std(name))
+                yield name, torch.randn(p.shape, generator=gen) * self._init_std(name)
 
     def _init_std(self, name: str) -> float:
         if name == "wte.weight" and self.cfg.arch == "transformer":
