@@ -12,7 +12,10 @@ New requests join the running batch between steps (continuous batching, not `@se
 A client that goes away aborts its sequences, so their KV blocks are freed by the next step. A
 dead step loop fails every request in flight and makes `check_health` raise, so Serve replaces
 the replica; so does a step that makes no progress for longer than `stall_timeout_s` (a wedged
-kernel, a deadlock).
+kernel, a deadlock). A tensor-parallel engine's workers (Ray actors in the replica's placement
+group) are checked with it: a dead worker fails `check_health` and the step that needs it (its
+requests get 503s), Serve replaces the replica and its group, and a stopping replica shuts its
+workers down.
 
 A replica that Serve stops (a redeploy, a scale-down) gets no new requests and drains: Serve
 waits for its requests in flight, up to the deployment's `graceful_shutdown_timeout_s`, and the
@@ -43,6 +46,7 @@ from service.openai.serving import OpenAIServing
 logger = logging.getLogger(__name__)
 
 STALL_POLL_S = 1.0  # how often the replica checks whether its engine is stalled
+ENGINE_CHECK_TIMEOUT_S = 20.0  # under Serve's health_check_timeout_s: the engine's own check (its workers)
 GAUGE_REFRESH_S = 2.0  # well under the ~20 s after which Ray stops exporting an unset gauge
 
 
@@ -56,11 +60,11 @@ class EngineStream:
         self._requests = requests
         self._sink: _Sink | None = None
         self._pending = {r.request_id for r in requests}
+        self._lora_of = {r.request_id: r.lora for r in requests}
         self._last_token_time: dict[str, float | None] = dict.fromkeys(self._pending)
         self._failure: EngineFailure | None = None  # delivered after the outputs that came before it
         self._finished = False
         self._not_before = 0.0  # event-loop time of the next read (stream_interval_s)
-        self._lora_of = {r.request_id: r.lora for r in requests}
 
     async def _submit(self) -> EngineFailure | None:
         host = self._host
@@ -104,12 +108,12 @@ class EngineStream:
             self._last_token_time[out.request_id] = metrics.observe(out, self._last_token_time[out.request_id])
             if out.finished:
                 self._pending.discard(out.request_id)
+                if self._lora_of.get(out.request_id) is not None:
+                    metrics.observe_lora_request(self._lora_of[out.request_id])
         if self._host.stream_interval_s:
             self._not_before = asyncio.get_running_loop().time() + self._host.stream_interval_s
         return batch
 
-                if self._lora_of.get(out.request_id) is not None:
-                    metrics.observe_lora_request(self._lora_of[out.request_id])
     def _close(self) -> None:
         self._finished = True
         if self._sink is not None:
@@ -154,6 +158,7 @@ class EngineHost:
         self.loop = EngineLoop(engine)
         self.loop.start()
         self.waiting: set[_Sink] = set()  # the sinks of the streams in flight
+        self._engine_problem: str | None = None  # what the engine's own check last found (a dead worker)
         event_loop = asyncio.get_running_loop()
         self._tasks = [event_loop.create_task(self._refresh_gauges()),
                        event_loop.create_task(self._fail_callers_while_stalled())]
@@ -163,16 +168,16 @@ class EngineHost:
         before its first `__anext__`."""
         return EngineStream(self, requests)
 
-    def model_info(self) -> ModelInfo:
-        runtime = self.engine.runtime
-        scheme = getattr(self.engine, "quant_scheme", None)  # the weights' quantization; None: full precision
-        return ModelInfo(
-            served_model_name=self.served_model_name,
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters known now: the start-up ones and those loaded by name since."""
         lora = getattr(self.engine, "lora", None)
         return tuple(lora.names()) if lora is not None else ()
 
+    def model_info(self) -> ModelInfo:
+        runtime = self.engine.runtime
+        scheme = getattr(self.engine, "quant_scheme", None)  # the weights' quantization; None: full precision
+        return ModelInfo(
+            served_model_name=self.served_model_name,
             max_model_len=runtime.max_model_len,
             vocab_size=self.engine.model_config.vocab_size,
             num_kv_blocks=runtime.num_kv_blocks,
@@ -185,8 +190,26 @@ class EngineHost:
         )
 
     def problem(self) -> str | None:
-        """Why this engine cannot serve (dead loop, or stalled), or None."""
-        return self.loop.problem(self.stall_timeout_s)
+        """Why this engine cannot serve (dead loop, stalled, or its own check failed), or None."""
+        return self.loop.problem(self.stall_timeout_s) or self._engine_problem
+
+    async def check_engine(self, timeout_s: float = ENGINE_CHECK_TIMEOUT_S) -> None:
+        """Run the engine's own `check_health` (a tensor-parallel engine's workers) on the step
+        thread, between steps (the engine is not thread-safe); a failure is kept for `problem()`.
+        A check that does not answer within `timeout_s` gives no verdict: a wedged step is the
+        stall rule's to catch."""
+        check = getattr(self.engine, "check_health", None)
+        if check is None or self._engine_problem is not None or not self.loop.alive:
+            return
+        try:
+            # an EngineFailure result means the loop died meanwhile: problem() says so already
+            await asyncio.wait_for(self.loop.run_between_steps(check), timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("the engine's health check did not answer within %.0fs", timeout_s)
+            return
+        except Exception as exc:  # a dead worker (model.engine.parallel's WorkerDiedError), or worse
+            self._engine_problem = f"engine check failed: {type(exc).__name__}: {exc}"
+            logger.error("%s", self._engine_problem)
 
     def healthy(self) -> bool:
         return self.problem() is None
@@ -201,9 +224,9 @@ class EngineHost:
             if problem is None or not self.waiting:
                 continue
             logger.error("failing %d call(s) in flight: %s", len(self.waiting), problem)
+            what = "A worker of the engine failed" if self._engine_problem else "The engine stopped making progress"
             for sink in list(self.waiting):
-                sink.put(EngineFailure(503, "The engine stopped making progress; the replica will be replaced, "
-                                            "retry the request."))
+                sink.put(EngineFailure(503, f"{what}; the replica will be replaced, retry the request."))
 
     async def _refresh_gauges(self) -> None:
         while True:
@@ -286,13 +309,22 @@ class EngineDeployment:
         stats = self._host.loop.stats
         return {"num_requests": stats.num_running + stats.num_waiting, "lora_adapters": list(stats.lora_resident)}
 
-    def check_health(self) -> None:
-        """Serve calls this periodically; raising makes Serve replace the replica."""
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica (and, with
+        tensor parallelism, its placement group and workers)."""
+        await self._host.check_engine()
         problem = self._host.problem()
         if problem is not None:
             raise RuntimeError(problem)
 
     def __del__(self) -> None:
         host = getattr(self, "_host", None)
-        if host is not None:
-            host.stop(timeout_s=1.0)
+        if host is None:
+            return
+        host.stop(timeout_s=1.0)
+        shutdown = getattr(host.engine, "shutdown", None)  # a tensor-parallel engine's workers
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # the replica is going away whatever happens; its workers die with it
+                logger.exception("could not shut the engine's workers down")
