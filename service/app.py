@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
@@ -34,6 +34,7 @@ from service.admission import admission_capacity
 from service.api import API_KEY_ENV, IngressSettings
 from service.engine_deployment import EngineDeployment
 from service.launch import haproxy_enabled
+from service.placement import PlacementStrategy, engine_device, replica_resources, warn_if_unplaceable
 from service.prefix_route import PrefixRoute
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,13 @@ class AppArgs(BaseModel):
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
+    # tensor parallelism: the model sharded over this many workers (Ray actors, one per rank, each
+    # with tp_worker_num_cpus CPUs and on GPU one GPU) in a placement group Serve reserves per
+    # replica, placed by placement_group_strategy (service/placement.py); pipeline parallelism: 1 only
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    tp_worker_num_cpus: float = Field(1.0, gt=0)
+    placement_group_strategy: PlacementStrategy = "PACK"
     enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
     prefix_aware_routing: bool = True  # a shared prefix (or a LoRA adapter) goes to the replica holding it
     routing_imbalance_threshold: int = Field(8, ge=0)  # ...unless it has this many more requests than the least busy
@@ -105,13 +113,22 @@ class AppArgs(BaseModel):
     router_num_cpus: float = Field(0.25, ge=0)  # the prefix router HAProxy consults (several replicas)
     torch_threads: int | None = Field(None, ge=1)  # default: the engine's whole CPUs (at least 1)
 
+    @field_validator("pipeline_parallel_size")
+    @classmethod
+    def _one_pipeline_stage(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"pipeline_parallel_size must be 1, got {value}: pipeline parallelism is not "
+                             "implemented; shard a model over several workers with tensor_parallel_size")
+        return value
+
     def engine_config(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                               "kv_cache_bytes", "num_kv_blocks", "max_model_len",
                                               "enable_prefix_caching", "kv_cache_dtype", "attention_backend",
                                               "enforce_eager", "quantization", "quantization_group_size",
                                               "quantize_lm_head", "lora_modules", "lora_dynamic_path", "max_loras",
-                                              "max_lora_rank", "speculative_config")}
+                                              "max_lora_rank", "speculative_config", "tensor_parallel_size",
+                                              "pipeline_parallel_size", "tp_worker_num_cpus")}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between steps.
@@ -190,7 +207,10 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     """
     EngineConfig(**args.engine_config())  # fail here, not in a replica, on bad knobs
     gpu = use_gpu(args.accelerator)
-    actor_options: dict[str, Any] = {"num_cpus": args.engine_num_cpus, "num_gpus": 1 if gpu else 0}
+    resources = replica_resources(args.engine_num_cpus, gpu, args.tensor_parallel_size, args.tp_worker_num_cpus,
+                                  args.placement_group_strategy)
+    if ray.is_initialized():
+        warn_if_unplaceable(resources, ray.cluster_resources())
     scaling: dict[str, Any] = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
                                else {"num_replicas": args.num_replicas})
     capacity = args.admission()
@@ -208,7 +228,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     )
     prefix_router = wants_prefix_router(args)
     engine = EngineDeployment.options(
-        ray_actor_options=actor_options,
+        **resources,
         # The replica's own admission gate is the bound (and answers in the API's error shape);
         # Serve's limits sit above it.
         max_ongoing_requests=UNBOUNDED_ONGOING if capacity == -1 else capacity + SERVE_HEADROOM,
@@ -224,7 +244,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         served_model_name=args.resolved_name(),
         engine_config=args.engine_config(),
         settings=dataclasses.asdict(settings),
-        device="cuda" if gpu else "cpu",
+        device=engine_device(gpu, args.tensor_parallel_size),
         dtype=args.dtype,
         seed=args.seed,
         torch_threads=args.torch_threads or (None if gpu else max(1, int(args.engine_num_cpus))),
