@@ -164,7 +164,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
             text = machines.run("\n".join([*exports, status[0]]), "deployer")
             return text if _app_running(text) else None
 
-        out = wait_until(running, 240, "`serve status` to show the application RUNNING", every_s=3)
+        # The dashboard's Serve API (what `serve status` reads) is polled until the replicas run:
+        # each `serve status` is a fresh Python process that competes with the starting replicas
+        # for this machine's two cores. Then the README's command itself must show RUNNING.
+        wait_until(lambda: _details_running(machines.token), 240, "the application's replicas to run", every_s=1)
+        out = wait_until(running, 60, "`serve status` to show the application RUNNING", every_s=3)
         yield machines, out
     finally:
         assert commands(stop) == ["ray stop"], stop
@@ -180,6 +184,21 @@ def _answers(url: str) -> bool:
         return True
     except requests.RequestException:
         return False
+
+
+def _details_running(token: str) -> bool:
+    """The dashboard's Serve details show the app RUNNING with both engine replicas RUNNING."""
+    try:
+        r = requests.get(f"http://127.0.0.1:{DASHBOARD_PORT}/api/serve/applications/",
+                         headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    except requests.RequestException:
+        return False
+    if r.status_code != 200:
+        return False
+    app = (r.json().get("applications") or {}).get("qkv") or {}
+    engine = (app.get("deployments") or {}).get("EngineDeployment") or {}
+    replicas = [rep for rep in engine.get("replicas") or [] if rep.get("state") == "RUNNING"]
+    return app.get("status") == "RUNNING" and len(replicas) == 2
 
 
 def _app_running(status_text: str) -> bool:
