@@ -103,7 +103,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if self.rope_recompute and not seq.rope_long and seq.num_tokens > self.rope_long_from:
-                self._recompute_long(seq, out)  # re-admitted this step, at the head of the queue
+                self._recompute_long(seq)  # re-admitted this step, at the head of the queue
                 continue
             if self.recompute_all:
                 seq.num_computed_tokens = 0
@@ -158,7 +158,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _recompute_long(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _recompute_long(self, seq: Sequence) -> None:
         """`seq` crossed the original context: drop its short-regime K/V (their committed blocks
         stay cached for sequences of that regime) and queue it first, to be computed long."""
         self.running.remove(seq)
