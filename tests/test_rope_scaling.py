@@ -6,6 +6,8 @@ LongRoPE depend on the sequence length in HF (per forward); here on each token's
 (model/layers/positions.py): a forward within the original context matches HF's, and past it
 our logits at each generated position match the logits of HF's own `generate` step by step,
 and the greedy continuation is HF's, alone, from the prefix cache, in a batch and preempted.
+A LongRoPE prompt already longer than the original context is rotated long throughout, as HF's
+prefill of it is.
 """
 
 from __future__ import annotations
@@ -84,6 +86,23 @@ def test_continuation_past_the_original_context_matches_hf_generate(case) -> Non
     tokens, logits = _hf_generate(hf, prompt, GREEDY)
     ours = full_logits(model, prompt + tokens[:-1], block_size=8)[len(prompt) - 1:]
     torch.testing.assert_close(ours, logits, atol=LOGITS_ATOL, rtol=0)
+    runs = engine_greedy_runs(directory, prompt, GREEDY, vocab=301)
+    assert runs == dict.fromkeys(runs, tokens)
+
+
+@pytest.mark.parametrize("case", ["longrope"], indirect=True)
+def test_longrope_prompt_past_the_original_context_is_long_throughout(case) -> None:
+    """A 40-token prompt (original context 32): HF's prefill rotates all of it with the long
+    factors, and a Llama's generate keeps that cache (no Phi-3 recompute); so do we, also from
+    the prefix cache, batched and preempted (the prompt's blocks carry the long regime's salt)."""
+    _, directory, hf, _ = case
+    _, model = load_model(directory)
+    prompt = torch.randint(0, 301, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(full_logits(model, prompt, block_size=8, rope_long=True), expected,
+                               atol=LOGITS_ATOL, rtol=0)
+    tokens, _ = _hf_generate(hf, prompt, GREEDY)
     runs = engine_greedy_runs(directory, prompt, GREEDY, vocab=301)
     assert runs == dict.fromkeys(runs, tokens)
 
