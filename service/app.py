@@ -32,7 +32,7 @@ from model.loading.hub import is_hub_id
 from model.loading.loading import is_preset
 from service.admission import admission_capacity
 from service.api import API_KEY_ENV, IngressSettings
-from service.engine_deployment import EngineDeployment
+from service.engine_deployment import EngineBackend, EngineDeployment
 from service.launch import haproxy_enabled
 from service.placement import PlacementStrategy, engine_device, replica_resources, warn_if_unplaceable
 from service.prefix_route import PrefixRoute
@@ -112,6 +112,8 @@ class AppArgs(BaseModel):
     engine_num_cpus: float = Field(1.0, gt=0)  # an engine replica: its step and its HTTP edge
     router_num_cpus: float = Field(0.25, ge=0)  # the prefix router HAProxy consults (several replicas)
     torch_threads: int | None = Field(None, ge=1)  # default: the engine's whole CPUs (at least 1)
+    # several base models behind one endpoint: a list of per-model argument dicts (service/multi_model.py)
+    models: list[dict[str, Any]] | None = None
 
     @field_validator("pipeline_parallel_size")
     @classmethod
@@ -169,11 +171,12 @@ SERVE_HEADROOM = 64
 UNBOUNDED_ONGOING = 100_000  # Serve needs a number where the admission bound is "none"
 
 
-def wants_prefix_router(args: AppArgs) -> bool:
-    """Whether HAProxy should ask `PrefixRoute` for each request's replica: several replicas, and
-    prefix caching or LoRA adapters to route by."""
+def wants_prefix_router(args: AppArgs, behind_front: bool = False) -> bool:
+    """Whether HAProxy should ask `PrefixRoute` for each request's replica (or, `behind_front`, the
+    multi-model front's handle should pick by prefix): several replicas, and prefix caching or LoRA
+    adapters to route by."""
     return (args.enable_prefix_caching or serves_lora(args)) and args.prefix_aware_routing \
-        and args.max_engine_replicas() > 1 and haproxy_enabled()
+        and args.max_engine_replicas() > 1 and (behind_front or haproxy_enabled())
 
 
 def router_options(args: AppArgs) -> dict[str, Any]:
@@ -196,14 +199,21 @@ def build_app(args: AppArgs) -> serve.Application:
     picks among several replicas."""
     if not isinstance(args, AppArgs):  # called directly with a dict
         args = AppArgs.model_validate(args)
+    if args.models is not None:
+        from service.multi_model import build_multi_model_app  # it builds on this module
+
+        return build_multi_model_app(args)
     return compose_app(args)
 
 
-def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = None) -> serve.Application:
+def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = None,
+                deployment_name: str | None = None) -> serve.Application:
     """`build_app` with an optional `engine_wrapper(engine) -> engine` applied in each replica.
 
     The wrapper is a Python callable, so no config file or command line can set it: tests use
-    it to inject faults (tests/fault_injection.py).
+    it to inject faults (tests/fault_injection.py). `deployment_name`: one model of a multi-model
+    app (service/multi_model.py), reached through the front's handle: the engine deployment alone,
+    under that name, its request router (when wanted) picking for the handle.
     """
     EngineConfig(**args.engine_config())  # fail here, not in a replica, on bad knobs
     gpu = use_gpu(args.accelerator)
@@ -226,8 +236,8 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         retry_after_s=args.retry_after_s,
         admission_capacity=capacity,
     )
-    prefix_router = wants_prefix_router(args)
-    engine = EngineDeployment.options(
+    prefix_router = wants_prefix_router(args, behind_front=deployment_name is not None)
+    engine = (EngineBackend.options(name=deployment_name) if deployment_name else EngineDeployment).options(
         **resources,
         # The replica's own admission gate is the bound (and answers in the API's error shape);
         # Serve's limits sit above it.
@@ -257,7 +267,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
                 "GPU" if gpu else "CPU", scaling, capacity,
                 "HAProxy" + (" with the prefix router" if prefix_router else "") if haproxy_enabled()
                 else "Serve's proxy", "on" if settings.api_key else "off")
-    if not prefix_router:
+    if not prefix_router or deployment_name:
         return engine
     router = PrefixRoute.options(ray_actor_options={"num_cpus": args.router_num_cpus})
     return engine._with_ingress_request_router(router.bind(engine))

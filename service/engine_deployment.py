@@ -28,7 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from ray import serve
 from model.config import EngineConfig
 from model.engine.sequence import RequestOutput
 from service.api import API_KEY_ENV, IngressSettings, build_api
+from service.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from service.engine_call import OverloadPolicy
 from service.engine_loop import EngineFailure, EngineLoop, SubRequest, _Sink
 from service.metrics import EngineMetrics
@@ -241,10 +242,9 @@ class EngineHost:
         self.loop.stop(timeout_s=timeout_s)
 
 
-@serve.deployment(name="EngineDeployment", health_check_period_s=5, health_check_timeout_s=30)
-@serve.ingress()  # the FastAPI app is built per replica: __serve_build_asgi_app__
-class EngineDeployment:
-    """One `Engine` per replica behind its own HTTP edge; see the module docstring."""
+class EngineReplica:
+    """One `Engine` per replica behind its own HTTP edge; see the module docstring. Deployed as
+    `EngineDeployment` (below)."""
 
     async def __init__(
         self,
@@ -290,6 +290,17 @@ class EngineDeployment:
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_api(self._serving, self._host.healthy, self._settings)
+    _forwarded_api: Any = None  # the HTTP edge that answers `forward` (built on first use)
+
+    async def forward(self, route: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """One HTTP request from the multi-model front (service/multi_model.py), answered by this
+        replica's HTTP edge as if HAProxy had sent it; `route` is what the request router picks the
+        replica by (a `RoutingPrompt`, or None). Call it through a streaming handle."""
+        if self._forwarded_api is None:
+            self._forwarded_api = self.__serve_build_asgi_app__()
+        async for item in run_asgi(self._forwarded_api, request):
+            yield item
+
 
     def model_info(self) -> ModelInfo:
         return self._host.model_info()
@@ -328,3 +339,12 @@ class EngineDeployment:
                 shutdown()
             except Exception:  # the replica is going away whatever happens; its workers die with it
                 logger.exception("could not shut the engine's workers down")
+
+
+_DEPLOYMENT = {"health_check_period_s": 5, "health_check_timeout_s": 30}
+# The app's ingress: the replica's HTTP edge (the FastAPI app built per replica by
+# __serve_build_asgi_app__) is what HAProxy sends requests to.
+EngineDeployment = serve.deployment(name="EngineDeployment", **_DEPLOYMENT)(serve.ingress()(EngineReplica))
+# One model of a multi-model app (service/multi_model.py): Serve takes one ASGI ingress per app, the
+# front, which reaches this replica's edge through `forward`.
+EngineBackend = serve.deployment(name="EngineBackend", **_DEPLOYMENT)(EngineReplica)

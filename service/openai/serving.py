@@ -126,6 +126,10 @@ class OpenAIServing:
         live = getattr(self._engine, "lora_names", None)  # EngineHost; absent on test stand-ins
         return list(live()) if live is not None else list(self.info.lora_adapters)
 
+    def answer_model(self, model: str | None) -> str:
+        """The `model` an answer names: the LoRA adapter asked for (as vLLM answers), else the served model."""
+        return self.adapter_of(model) or self.info.served_model_name
+
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names, or None (the base model, or no adapter of that name)."""
         info = self.info
@@ -184,7 +188,7 @@ class OpenAIServing:
         self.check_model(req.model)
         prompts = [self.token_ids(p) for p in req.prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        fmt = CompletionFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
+        fmt = CompletionFormat(request_id, self.answer_model(req.model), int(time.time()), self.tokenizer,
                                req.logprobs, prompts if req.prompt_logprobs_count() is not None else None)
         echoes = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         prefixes = [echoes[i // req.n] for i in range(len(prompts) * req.n)]
@@ -214,7 +218,7 @@ class OpenAIServing:
         prompts = [self.token_ids(text, param="messages", add_special_tokens=False)]
         plan = self._plan(req, text)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormat(request_id, self.info.served_model_name, int(time.time()), self.tokenizer,
+        fmt = ChatFormat(request_id, self.answer_model(req.model), int(time.time()), self.tokenizer,
                          req.logprobs_count(), plan)
         return await self._generate(request_id, prompts, req, fmt, [""] * req.n)
 
