@@ -62,11 +62,12 @@ def _held(seq) -> int:
     return len(seq.block_table) - seq.num_released_blocks
 
 
-@pytest.mark.parametrize("backend", ["gather", "fused"])
+@pytest.mark.parametrize("backend", ["gather", "fused", "flex"])
 def test_mistral_out_of_window_blocks_are_given_back_and_outputs_stay_exact(mistral, backend) -> None:
     """Every layer windowed (64): a sequence holds at most window / block_size + 2 blocks once it
     decodes (not its whole length), on the gather path (which reads the released entries' null
-    block under its mask) and the fused kernel; HF's tokens still."""
+    block under its mask), the fused kernel and FlexAttention (whose inverse block table maps the
+    null block to a masked position); HF's tokens still."""
     from model import LLM, SamplingParams
     from model.config import EngineConfig
     from model.layers.paged_attention import use_fused
