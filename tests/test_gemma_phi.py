@@ -86,7 +86,7 @@ def test_logits_match_hf(case) -> None:
     tokens = torch.randint(0, 301, (CASES[name][4],), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0]
-    ours = full_logits(model, tokens, block_size=8, rope_long=_longer_than_original(hf, len(tokens)))
+    ours = full_logits(model, tokens, block_size=8, rope_len=len(tokens) if _longer_than_original(hf, len(tokens)) else 0)
     torch.testing.assert_close(ours, expected, atol=LOGITS_ATOL, rtol=0)
 
 
@@ -203,7 +203,7 @@ def test_scheduler_recomputes_a_sequence_crossing_the_original_context_in_the_sa
         Sequence("l", list(range(9)), SamplingParams(max_tokens=8))
     sched.add(short)
     sched.add(long)
-    assert (short.rope_long, long.rope_long) == (False, True)
+    assert (short.rope_len, long.rope_len) == (0, 9)  # every long sequence: original + 1
     assert (sched.tokens_before_recompute(short), sched.tokens_before_recompute(long)) == (2, None)
     steps = []
     for token in (100, 101, 102):  # 6 -> 9 tokens: the third step's sequence crossed
@@ -217,7 +217,7 @@ def test_scheduler_recomputes_a_sequence_crossing_the_original_context_in_the_sa
     steps.append({s.seq.request_id: (s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled})
     assert steps == [{"s": (0, 6), "l": (0, 9)}, {"s": (6, 1), "l": (9, 1)}, {"s": (7, 1), "l": (10, 1)},
                      {"l": (11, 1), "s": (0, 9)}]
-    assert short.rope_long and sched.num_rope_recomputes == 1 and sched.num_preemptions == 0
+    assert short.rope_len == 9 and sched.num_rope_recomputes == 1 and sched.num_preemptions == 0
     assert sched.blocks.hashes(short)[:2] != short_hashes[:2] and len(short_hashes) == 2
 
 

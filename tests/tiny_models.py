@@ -105,10 +105,10 @@ def save_tiny_gpt2(directory: str | Path, n_layer: int = 2, n_head: int = 2, n_e
 
 
 def full_logits(model: nn.Module, token_ids: list[int] | torch.Tensor, block_size: int = 16,
-                rope_long: bool = False) -> torch.Tensor:
+                rope_len: int = 0) -> torch.Tensor:
     """Our model's logits (T, vocab) for one sequence, prefilled in one pass over a fresh cache
-    (`rope_long`: every position rotated with LongRoPE's long factors, as for a sequence longer
-    than the original context)."""
+    (`rope_len`: every position rotated as in a sequence of at least that many tokens, as the
+    engine rotates a prompt longer than a dynamic/LongRoPE model's original context)."""
     tokens = torch.as_tensor(token_ids, dtype=torch.long)
     t = tokens.shape[0]
     cfg = model.cfg
@@ -117,7 +117,7 @@ def full_logits(model: nn.Module, token_ids: list[int] | torch.Tensor, block_siz
     cache = KVCache(cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.d_head, dtype, "cpu")
     meta = AttnMetadata(slot_mapping=torch.arange(t), prefills=[
         PrefillChunk(start=0, length=t, context_len=t, block_table=torch.arange(num_blocks))],
-        rope_long=torch.ones(t, dtype=torch.bool) if rope_long else None)
+        rope_len=torch.full((t,), rope_len, dtype=torch.long) if rope_len else None)
     with torch.no_grad():
         return model.compute_logits(model(tokens, torch.arange(t), meta, cache))
 

@@ -175,8 +175,8 @@ class BlockManager:
         if len(seq.token_ids) // self.block_size > len(seq.block_hashes):
             # A LoRA adapter changes every K/V: its name salts the chain, so no prefix crosses adapters.
             salt = self.salt if seq.lora is None else self.salt + b"|lora:" + seq.lora.encode()
-            # Every K/V of a sequence rotated with LongRoPE's long factors differs from the short one's.
-            salt = salt + b"|rope:long" if seq.rope_long else salt
+            # Every K/V of a sequence rotated as a longer one (Sequence.rope_len) differs from its own.
+            salt = salt + b"|rope:%d" % seq.rope_len if seq.rope_len else salt
             seq.block_hashes = block_hashes(seq.token_ids, self.block_size, salt, seq.block_hashes)
         return seq.block_hashes
 

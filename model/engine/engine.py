@@ -134,11 +134,14 @@ class Engine:
         salt = f"{model}|{cfg!r}|{self.dtype}".encode()
         caching = self.config.enable_prefix_caching and self.config.enable_kv_cache
         blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt)
-        longrope = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope" else None
+        # Rotations that depend on a sequence's length (model/layers/positions.py): dynamic NTK, LongRoPE.
+        rope = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.kind in ("dynamic", "longrope") \
+            else None
         self.scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    recompute_all=not self.config.enable_kv_cache,
-                                   rope_long_from=longrope.original_max_position if longrope else None,
-                                   rope_recompute=longrope is not None and longrope.recompute_past_original,
+                                   rope_long_from=rope.original_max_position if rope else None,
+                                   rope_recompute=rope is not None and rope.recompute_past_original,
+                                   rope_per_length=rope is not None and rope.kind == "dynamic",
                                    window=_widest_window(cfg))
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
                                    self.config.block_size, max_len,

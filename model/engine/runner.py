@@ -115,11 +115,11 @@ class ModelRunner:
         if self.lora is not None:  # each flat row's adapter slot (-1: the base model)
             meta.lora = LoraBatch.of([s.seq.lora_slot for s in decode + prefill for _ in range(s.num_new_tokens)],
                                      self.device)
-        # LongRoPE rows of long sequences; a decode-only step needs none (such a sequence decodes
-        # past the original context, long by position), so it can replay a decode graph.
-        if any(s.seq.rope_long for s in prefill):
-            meta.rope_long = torch.tensor([s.seq.rope_long for s in decode + prefill for _ in range(s.num_new_tokens)],
-                                          device=self.device)
+        # RoPE lengths of sequences rotated as longer ones; a decode-only step needs none (such a
+        # sequence decodes past that length, the same by position), so it can replay a decode graph.
+        if any(s.seq.rope_len for s in prefill):
+            meta.rope_len = torch.tensor([s.seq.rope_len for s in decode + prefill for _ in range(s.num_new_tokens)],
+                                         dtype=torch.long, device=self.device)
         if decode:
             self._decode_meta(meta, decode)
         offset = len(decode)

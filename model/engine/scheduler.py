@@ -12,10 +12,12 @@ running sequence's next tokens are scheduled, its leading blocks that no query f
 position on can see are given back (BlockManager.release_out_of_window), so a long generation
 holds about window / block_size blocks, not its whole length.
 
-LongRoPE (`rope_long_from`: the original context): a sequence longer than it on arrival is
-rotated with the long factors throughout (`Sequence.rope_long`, which also salts its block
-hashes); with `rope_recompute` (HF Phi-3's generate) a sequence that grows past it drops its
-K/V and is recomputed long from position 0 in the same step, as HF drops its cache there.
+Dynamic NTK and LongRoPE (`rope_long_from`: the original context): a sequence longer than it on
+arrival is rotated at every position as HF's prefill of it is (`Sequence.rope_len`, which also
+salts its block hashes): with the frequencies of its own length (`rope_per_length`, dynamic NTK)
+or LongRoPE's long factors; with `rope_recompute` (HF Phi-3's generate) a sequence that grows
+past it drops its K/V and is recomputed long from position 0 in the same step, as HF drops its
+cache there.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_all: bool = False, rope_long_from: int | None = None, rope_recompute: bool = False,
-                 window: int | None = None) -> None:
+                 rope_per_length: bool = False, window: int | None = None) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,19 +71,21 @@ class Scheduler:
         self.num_preemptions = 0
         self.rope_long_from = rope_long_from
         self.rope_recompute = rope_recompute and rope_long_from is not None
+        self.rope_per_length = rope_per_length
         self.num_rope_recomputes = 0
         self.window = None if recompute_all else window
 
     def add(self, seq: Sequence) -> None:
         if self.rope_long_from is not None and seq.num_tokens > self.rope_long_from:
-            seq.rope_long = True
+            # LongRoPE: one regime for every longer sequence (one salt, so they share blocks).
+            seq.rope_len = seq.num_tokens if self.rope_per_length else self.rope_long_from + 1
         self.waiting.append(seq)
 
     def tokens_before_recompute(self, seq: Sequence) -> int | None:
         """How many tokens `seq` can grow by before its LongRoPE recompute (None: it never
         recomputes): speculative proposals stay within it, so that none is verified against
         K/V of the short regime that HF computes in the long one."""
-        if not self.rope_recompute or seq.rope_long:
+        if not self.rope_recompute or seq.rope_len:
             return None
         return self.rope_long_from - seq.num_tokens
 
@@ -102,7 +106,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self.rope_recompute and not seq.rope_long and seq.num_tokens > self.rope_long_from:
+            if self.rope_recompute and not seq.rope_len and seq.num_tokens > self.rope_long_from:
                 self._recompute_long(seq)  # re-admitted this step, at the head of the queue
                 continue
             if self.recompute_all:
@@ -163,7 +167,7 @@ class Scheduler:
         stay cached for sequences of that regime) and queue it first, to be computed long."""
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.rope_long, seq.block_hashes = True, []
+        seq.rope_len, seq.block_hashes = self.rope_long_from + 1, []
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1  # not a first admission: its cached-token count stays
         self.num_rope_recomputes += 1

@@ -86,9 +86,10 @@ class Sequence:
     # slot in the wrapped layers once the engine has one for it (-1: none).
     lora: str | None = None
     lora_slot: int = -1
-    # LongRoPE: the sequence is rotated with the long factors at every position (it was longer
-    # than the original context when it arrived, or grew past it and was recomputed).
-    rope_long: bool = False
+    # Dynamic NTK / LongRoPE: every position is rotated as in a sequence at least this long (it
+    # was longer than the original context when it arrived, or grew past it and was recomputed);
+    # 0: each position as in a sequence ending there.
+    rope_len: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -50,9 +50,9 @@ class AttnMetadata:
     capture: Any = None
     # Which rows use which LoRA adapter slot (model.layers.lora.LoraBatch); None: the base model only.
     lora: Any = None
-    # (T,) bool: rows rotated with LongRoPE's long factors whatever their position (prefill rows
-    # of a sequence longer than the original context); None: every row by its position.
-    rope_long: torch.Tensor | None = None
+    # (T,) long: dynamic NTK / LongRoPE rows rotated as in a sequence of at least that many tokens
+    # (prefill rows of a sequence longer than the original context; 0: by position); None: all by position.
+    rope_len: torch.Tensor | None = None
     # decode_window_mask's masks, one per sliding-window size in use this step.
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 

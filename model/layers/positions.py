@@ -12,13 +12,13 @@ sequence of p + 1 tokens, and the cached keys keep theirs; here every token is. 
 cached key independent of the request it came from (prefix caching, preemption and batching
 stay exact), and equals HF's generate whenever the prompt itself fits in the original context
 (dynamic: max_position_embeddings).
-LongRoPE also takes a per-row `long` mask (AttnMetadata.rope_long): a sequence that arrives
-longer than original_max_position_embeddings is rotated long throughout, as HF's prefill of it
-is; HF Phi-3's `generate` (Phi3ForCausalLM.prepare_inputs_for_generation) also drops its cache
-when a sequence first grows past that length and recomputes it all with the long factors, which
-the scheduler does by recomputing such a sequence at the crossing (RopeScaling.recompute_past_original),
-the prefix cache keeping the two regimes' blocks apart. A dynamic-NTK prompt longer than
-max_position_embeddings is still rotated per position here (HF: all of it with its length's base).
+Rows may also be rotated as in a longer sequence (a per-row minimum length, AttnMetadata.rope_len):
+a prompt that arrives longer than the original context is rotated throughout as HF's prefill of it
+is, dynamic NTK with the base of its length and LongRoPE with the long factors; HF Phi-3's
+`generate` (Phi3ForCausalLM.prepare_inputs_for_generation) also drops its cache when a sequence
+first grows past that length and recomputes it all with the long factors, which the scheduler does
+by recomputing such a sequence at the crossing (RopeScaling.recompute_past_original); the prefix
+cache keeps blocks of each rotation apart.
 """
 
 from __future__ import annotations
@@ -144,18 +144,18 @@ class RotaryEmbedding(nn.Module):
         self.long_inv_freq = (PerDevice(_longrope_inv_freq(dim, theta, scaling.long_factor))
                               if scaling is not None and scaling.kind == "longrope" else None)
 
-    def _inv_freq(self, positions: torch.Tensor, long: torch.Tensor | None = None) -> torch.Tensor:
-        """(T, dim / 2) or (1, dim / 2) float32: each position's inverse frequencies (`long`:
-        (T,) bool, rows that take LongRoPE's long factors at any position)."""
+    def _inv_freq(self, positions: torch.Tensor, min_len: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, dim / 2) or (1, dim / 2) float32: each position's inverse frequencies (`min_len`:
+        (T,) long, rows rotated as in a sequence of at least that many tokens)."""
         inv = self.inv_freq.on(positions.device)[None, :]
         scaling = self.scaling
         if scaling is None or scaling.kind not in ("dynamic", "longrope"):
             return inv
         seq_len = positions[:, None] + 1  # HF: a forward's frequencies follow max(position) + 1
+        if min_len is not None:
+            seq_len = torch.maximum(seq_len, min_len[:, None])
         beyond = seq_len > scaling.original_max_position
         if self.long_inv_freq is not None:
-            if long is not None:
-                beyond = beyond | long[:, None]
             return torch.where(beyond, self.long_inv_freq.on(positions.device)[None, :], inv)
         # dynamic NTK, as HF computes it (float32 tensors): base * (factor * L / max - (factor - 1)) ** (d / (d - 2))
         orig = scaling.original_max_position
@@ -165,10 +165,10 @@ class RotaryEmbedding(nn.Module):
         return torch.where(beyond, 1.0 / (base ** exps[None, :]), inv)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> cos, sin (T, 1, rotary_dim), computed in float32 then cast; `long`
-        (T,) bool: LongRoPE rows rotated with the long factors whatever their position."""
-        freqs = positions[:, None].float() * self._inv_freq(positions, long)  # (T, d/2)
+                min_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin (T, 1, rotary_dim), computed in float32 then cast; `min_len`
+        (T,) long: dynamic/LongRoPE rows rotated as in a sequence of at least that many tokens."""
+        freqs = positions[:, None].float() * self._inv_freq(positions, min_len)  # (T, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, d)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:

@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
                 cache: KVCache) -> torch.Tensor:
         """tokens, positions: (T,) long -> hidden (T, d_model)."""
         x = self.embed_tokens(tokens)
-        rope = self.rotary.cos_sin(positions, x.dtype, meta.rope_long)  # shared by every layer
+        rope = self.rotary.cos_sin(positions, x.dtype, meta.rope_len)  # shared by every layer
         for layer in self.layers:
             x = layer(x, rope, meta, cache)
         return self.norm(x)
