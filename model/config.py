@@ -38,7 +38,8 @@ class RopeScaling:
     - `yarn` blends interpolated and original frequencies between the `beta_fast`/`beta_slow`
       rotation bounds and scales cos/sin by `attention_factor` (None: from `mscale`/`mscale_all_dim`);
     - `dynamic` (NTK) raises the base for positions past `original_max_position` (HF's
-      max_position_embeddings), per position;
+      max_position_embeddings), per position (a prompt longer than it: every position with the
+      base of the prompt's length, as HF's prefill);
     - `longrope` multiplies the wavelengths by `short_factor`, or `long_factor` for positions past
       `original_max_position`, and scales cos/sin by `attention_factor` (None: from `factor`).
       A sequence longer than `original_max_position` when it arrives is rotated long throughout;
