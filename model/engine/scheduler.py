@@ -77,7 +77,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if self.rope_long_from is not None and seq.num_tokens > self.rope_long_from:
-            # LongRoPE: one regime for every longer sequence (one salt, so they share blocks).
+            # Dynamic NTK: the frequencies of this length; LongRoPE: one regime (and one salt, so
+            # their blocks are shared) for every sequence longer than the original context.
             seq.rope_len = seq.num_tokens if self.rope_per_length else self.rope_long_from + 1
         self.waiting.append(seq)
 
