@@ -175,8 +175,10 @@ def _burst(base_url: str, body: dict[str, Any], total: int) -> list[tuple[float,
 
 
 def test_overload_rejects_the_excess_fast(base_url: str) -> None:
-    # Long enough (~10 s each here) that all requests arrive while the first ones still run.
-    body = {"prompt": "abc", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    # Long enough that all requests arrive while the first ones still run: measured on this
+    # 2-core machine under other load, the rejections were all back within 0.8 s, and 1000
+    # tokens took the four admitted requests 33 s; 300 tokens keep a margin of ~10x.
+    body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True}
     events = _burst(base_url, body, BURST)
     admitted = [e for e in events if e[1] == 200]
     rejected = [e for e in events if e[1] != 200]
@@ -198,7 +200,10 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
 
 # ---- redeploys (last: they change the application's config) -----------------------------------
 
-STREAM_TOKENS = 2000  # long enough to outlive the redeploy: the old replica drains them
+# Long enough that the new replica starts and serves while the old one drains them (checked
+# after the loop). `serve.run` returns only once the old replica has drained, so the streams'
+# length is the test's: 2000 tokens took 78-98 s here, 1000 take ~35 s.
+STREAM_TOKENS = 1000
 SHORT = {"prompt": "during", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 
 
