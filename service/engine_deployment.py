@@ -195,16 +195,15 @@ class EngineHost:
         return self.loop.problem(self.stall_timeout_s) or self._engine_problem
 
     async def check_engine(self, timeout_s: float = ENGINE_CHECK_TIMEOUT_S) -> None:
-        """Run the engine's own `check_health` (a tensor-parallel engine's workers) on the step
-        thread, between steps (the engine is not thread-safe); a failure is kept for `problem()`.
-        A check that does not answer within `timeout_s` gives no verdict: a wedged step is the
-        stall rule's to catch."""
+        """Run the engine's own `check_health` (it pings a tensor-parallel engine's workers) on a
+        thread of its own: `Engine.check_health` may run beside a step, so a long or wedged step
+        does not delay it. A failure is kept for `problem()`; a check that does not answer within
+        `timeout_s` gives no verdict (a wedged step is the stall rule's to catch)."""
         check = getattr(self.engine, "check_health", None)
         if check is None or self._engine_problem is not None or not self.loop.alive:
             return
         try:
-            # an EngineFailure result means the loop died meanwhile: problem() says so already
-            await asyncio.wait_for(self.loop.run_between_steps(check), timeout_s)
+            await asyncio.wait_for(asyncio.to_thread(check), timeout_s)
         except asyncio.TimeoutError:
             logger.warning("the engine's health check did not answer within %.0fs", timeout_s)
             return
@@ -323,8 +322,10 @@ class EngineReplica:
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica (and, with
         tensor parallelism, its placement group and workers)."""
-        await self._host.check_engine()
         problem = self._host.problem()
+        if problem is None:
+            await self._host.check_engine()
+            problem = self._host.problem()
         if problem is not None:
             raise RuntimeError(problem)
 
