@@ -16,6 +16,7 @@ tied head, saved in bf16 by loadtests/random_checkpoint.py):
     .venv/bin/python loadtests/bench_engine.py [--requests 64] [--out results/bench_engine.json]
     .venv/bin/python loadtests/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
     .venv/bin/python loadtests/bench_engine.py --model qwen3-moe-1b-shape --requests 16 --no-extras
+    .venv/bin/python loadtests/bench_engine.py --model gemma3-1b-shape --requests 8 --hf-batch 8 --max-new-tokens 48 --no-extras
 
 A mixture-of-experts shape (`qwen3-moe-1b-shape`: 1.18B parameters, 64 experts of 256, top-8,
 written by transformers in bf16, loadtests/moe_load_memory.py) adds a torch.profiler breakdown
@@ -53,10 +54,11 @@ from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
 PRESET = "gpt2-small-random"
 
 
-def workload(n: int, seed: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+def workload(n: int, seed: int, vocab: int, max_new: int = 256) -> tuple[list[list[int]], list[int]]:
+    """`n` prompts of 32-256 random tokens, each asking for 16-`max_new` tokens (uniform)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
-    return prompts, [rng.randint(16, 256) for _ in range(n)]
+    return prompts, [rng.randint(min(16, max_new), max_new) for _ in range(n)]
 
 
 def sync(device: torch.device) -> None:
@@ -195,6 +197,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=256,
+                    help="the most tokens a request asks for (the 1B shapes: 32-64 keeps HF generate's side bounded)")
     ap.add_argument("--no-extras", action="store_true", help="skip the no-KV-cache run and batch-64 decode")
     ap.add_argument("--out", default="results/bench_engine.json")
     args = ap.parse_args()
@@ -209,10 +213,11 @@ def main() -> None:
     cfg = llm.engine.model_config
     net = llm.engine.runner.model
     n_params = sum(p.numel() for p in net.parameters())
-    prompts, max_tokens = workload(args.requests, args.seed, cfg.vocab_size)
+    prompts, max_tokens = workload(args.requests, args.seed, cfg.vocab_size, args.max_new_tokens)
     res: dict = {"model": args.model, "device": str(device), "dtype": args.dtype, "params": n_params,
                  "active_params": n_params - inactive_expert_params(net),
-                 "requests": args.requests, "hf_batch": args.hf_batch, "threads": torch.get_num_threads()}
+                 "requests": args.requests, "max_new_tokens": args.max_new_tokens, "hf_batch": args.hf_batch,
+                 "threads": torch.get_num_threads()}
     res["matmul_gflops"] = matmul_gflops(device, dtype)
     res["memory_gbs"] = memory_gbs(device)
     print(f"model {args.model}: {n_params / 1e6:.1f}M params, {device}, {args.dtype}, {res['threads']} threads")
