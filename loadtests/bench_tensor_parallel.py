@@ -87,7 +87,8 @@ def main() -> None:
         ray.shutdown()
     one, two = rows
     print(f"{args.model}: batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} new tokens, fp32 CPU")
-    print(f"{'TP':>3} {'tok/s':>9} {'comm ms/step':>13} {'worker ms/step':>15} {'ray rt ms/step':>15} {'coll/step':>10}")
+    print(f"{'TP':>3} {'tok/s':>9} {'comm ms/step':>13} {'worker ms/step':>15} {'ray rt ms/step':>15} "
+          f"{'coll/step':>10}")
     for r in rows:
         print(f"{r['tp']:>3} {r['tokens_per_s']:>9.1f} {r.get('comm_ms_per_step', 0):>13.2f} "
               f"{r.get('worker_ms_per_step', 0):>15.2f} {r.get('round_trip_ms_per_step', 0):>15.2f} "

@@ -1,8 +1,9 @@
 """Tensor parallelism over Ray worker actors with gloo (model/engine/parallel/): LLM(model,
 tensor_parallel_size=2) gives the greedy tokens of TP=1 and its logits within 1e-5 (fp32), alone, in
-a batch of 16 and under preemption, for Llama with GQA (1 KV head for 2 ranks, and 2), Qwen3 (q/k
-norms), Qwen2 (q/k/v biases), GPT-2 (fused c_attn, odd vocabulary) and the paper's Transformer with
-dot and additive attention; a killed worker is a WorkerDiedError from check_health and step.
+a batch of 16 and under preemption, for Llama with GQA (1 KV head for 2 ranks), Qwen3 (q/k norms)
+and Qwen2 (q/k/v biases, tied head), both with 2 KV heads, GPT-2 (fused c_attn, odd vocabulary) and
+the paper's Transformer with dot and additive attention; a killed worker is a WorkerDiedError from
+check_health and step.
 
 One local Ray for the module (run under `flock /tmp/qkv-ray.lock`); the workers take half a CPU each.
 """
@@ -30,13 +31,15 @@ VOCAB = 258  # the smallest vocabulary of the checkpoints below
 
 MODELS = {
     "llama-gqa-kv1": lambda d: write_tiny_llama(d, "llama", num_key_value_heads=1, with_tokenizer=False),
-    "llama-kv2": lambda d: write_tiny_llama(d, "llama", num_key_value_heads=2, with_tokenizer=False),
-    "qwen3": lambda d: write_tiny_llama(d, "qwen3", head_dim=24, with_tokenizer=False),
-    "qwen2": lambda d: write_tiny_llama(d, "qwen2", tie_word_embeddings=True, with_tokenizer=False),
+    # Qwen3 and Qwen2 (Llama's code path with q/k norms, q/k/v biases) have 2 KV heads: one per rank.
+    "qwen3": lambda d: write_tiny_llama(d, "qwen3", num_key_value_heads=2, head_dim=24, with_tokenizer=False),
+    "qwen2": lambda d: write_tiny_llama(d, "qwen2", num_key_value_heads=2, tie_word_embeddings=True,
+                                        with_tokenizer=False),
     "gpt2": lambda d: save_tiny_gpt2(d, n_head=2, vocab_size=301, with_tokenizer=False),
-    "transformer-dot": lambda d: write_tiny_checkpoint(d, d_model=32, d_ff=64, max_position=128),
     "transformer-additive": lambda d: write_tiny_checkpoint(d, d_model=32, d_ff=64, max_position=128,
                                                             attention="additive"),
+    # A random preset: each rank draws the seeded tensors one at a time and keeps its slices.
+    "transformer-dot-preset": lambda d: "transformer-draft-small",
 }
 
 
@@ -45,6 +48,23 @@ def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kept() -> dict[str, LLM]:
+    """The latest TP=2 engine, left running for the failure test (a worker start costs seconds here)."""
+    store: dict[str, LLM] = {}
+    yield store
+    for llm in store.values():
+        llm.shutdown()
+
+
+def _fresh_tp2(directory: str, kept: dict[str, LLM]) -> LLM:
+    for llm in kept.values():  # the local Ray has CPUs for one TP=2 engine's workers at a time
+        llm.shutdown()
+    kept.clear()
+    kept["last"] = _engine(directory, 2)
+    return kept["last"]
 
 
 class LogitsSpy:
@@ -93,17 +113,14 @@ def _runs(llm: LLM, spy: LogitsSpy) -> dict:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_tp2_matches_tp1(name: str, tmp_path, monkeypatch) -> None:
+def test_tp2_matches_tp1(name: str, tmp_path, monkeypatch, kept) -> None:
     directory = str(MODELS[name](tmp_path / name))
     spy = LogitsSpy(monkeypatch)
     single = _runs(_engine(directory, 1), spy)
-    llm = _engine(directory, 2)
-    try:
-        assert len(llm.engine.runner.workers) == 2
-        split = _runs(llm, spy)
-        assert llm.engine.runner.stats.comm_seconds > 0  # the all-reduces ran in the workers
-    finally:
-        llm.shutdown()
+    llm = _fresh_tp2(directory, kept)
+    assert len(llm.engine.runner.workers) == 2
+    split = _runs(llm, spy)
+    assert llm.engine.runner.stats.comm_seconds > 0  # the all-reduces ran in the workers
     assert split["alone"] == single["alone"]
     torch.testing.assert_close(split["alone_logits"], single["alone_logits"], rtol=0, atol=1e-5)
     assert split["batch"] == single["batch"]
@@ -114,15 +131,12 @@ def test_tp2_matches_tp1(name: str, tmp_path, monkeypatch) -> None:
                                    torch.tensor([v for _, v in single[key]]), rtol=0, atol=1e-5)
 
 
-def test_preset_killed_worker_is_worker_died_error() -> None:
-    """A random preset loads sharded too (seeded tensor by tensor); killing a worker fails health and the step."""
-    llm = LLM("transformer-draft-small", device="cpu", dtype="float32", tensor_parallel_size=2,
-              engine_config=EngineConfig(block_size=BLOCK, num_kv_blocks=8, tp_worker_num_cpus=0.5))
-    ref = LLM("transformer-draft-small", device="cpu", dtype="float32",
-              engine_config=EngineConfig(block_size=BLOCK, num_kv_blocks=8))
+def test_killed_worker_is_worker_died_error(kept) -> None:
+    """Killing one worker fails the health check and the next step at once, not at the collective's timeout."""
+    llm = kept.get("last") or _fresh_tp2("transformer-draft-small", kept)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     try:
-        assert llm.generate([[1, 2, 3]], greedy)[0].token_ids == ref.generate([[1, 2, 3]], greedy)[0].token_ids
+        assert len(llm.generate([[1, 2, 3]], greedy)[0].token_ids) == 4
         llm.engine.check_health()
         ray.kill(llm.engine.runner.workers[1])
         started = time.monotonic()
