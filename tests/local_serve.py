@@ -30,6 +30,15 @@ from service.app import AppArgs, compose_app
 
 logger = logging.getLogger(__name__)
 
+APP_NAME = "qkv"
+# What the `shared_serve` fixture (tests/conftest.py) gives a module: `shared_service`.
+SharedServe = Callable[..., AbstractContextManager[str]]
+SHARED_HTTP_PORT = 18390
+SHARED_NUM_CPUS = 2
+# Replica actors of the app: none may outlive the module that deployed it.
+_REPLICA_PREFIX = f"SERVE_REPLICA::{APP_NAME}#"
+_shared: dict[str, str] = {}  # "url" while the shared Ray + Serve runs
+
 
 @contextmanager
 def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
@@ -52,16 +61,6 @@ def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
         yield f"http://127.0.0.1:{http_port}"
     finally:
         _stop_ray_and_serve()
-
-
-APP_NAME = "qkv"
-# What the `shared_serve` fixture (tests/conftest.py) gives a module: `shared_service`.
-SharedServe = Callable[..., AbstractContextManager[str]]
-SHARED_HTTP_PORT = 18390
-SHARED_NUM_CPUS = 2
-# Replica actors of the app: none may outlive the module that deployed it.
-_REPLICA_PREFIX = f"SERVE_REPLICA::{APP_NAME}#"
-_shared: dict[str, str] = {}  # "url" while the shared Ray + Serve runs
 
 
 @contextmanager
