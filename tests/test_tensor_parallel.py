@@ -10,7 +10,9 @@ One local Ray for the module (run under `flock /tmp/qkv-ray.lock`); the workers 
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -151,6 +153,25 @@ def test_killed_worker_is_worker_died_error(kept) -> None:
     llm.shutdown()  # idempotent
     with pytest.raises(WorkerDiedError):
         llm.engine.check_health()
+
+
+def test_hung_worker_times_out_as_worker_died_error(monkeypatch, kept) -> None:
+    """A worker that stops answering (SIGSTOP) fails the step at the step deadline, not never."""
+    monkeypatch.setenv("QKV_TP_TIMEOUT_S", "3")  # the driver's deadline and the collectives' timeout
+    llm = _fresh_tp2("transformer-draft-small", kept)
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        pid = ray.get(llm.engine.runner.workers[1].ping.remote())
+        os.kill(pid, signal.SIGSTOP)
+        llm.engine.add_request("hung", [4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError):  # the driver's deadline, or rank 0's collective timing out
+            llm.engine.step()
+        with pytest.raises(WorkerDiedError):
+            llm.engine.check_health()
+        assert time.monotonic() - started < 15
+    finally:
+        llm.shutdown()  # SIGKILL ends a stopped process too
 
 
 @pytest.mark.parametrize("tp, field", [(3, "num_attention_heads"), (8, "num_attention_heads")])
