@@ -1,0 +1,153 @@
+"""What the multi-model front costs per token: the same model served as a one-model app (HAProxy
+straight to the engine replica's own HTTP edge) and as the one entry of a `models:` app (HAProxy ->
+the ModelRouter front -> a streaming handle -> the replica's edge; service/multi_model.py), in turn
+on one local Ray, on `bench_service.py`'s workload and client (streaming `/v1/completions`, closed
+loop at each `--concurrency`).
+
+Per path: tokens/s, TTFT and inter-chunk latency percentiles, tokens per SSE chunk, and CPU per
+generated token of the serving path (HAProxy, the engine replica outside its step, the front),
+with the front's share shown apart.
+
+    .venv/bin/python loadtests/bench_multi_model.py [--model transformer-base] [--concurrency 1 16]
+        [--threads 2] [--out results/bench_multi_model.json]
+    .venv/bin/python loadtests/bench_multi_model.py --quick   # tiny model, a few requests: checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_service  # noqa: E402  (applies the serving settings before Ray Serve is imported)
+from bench_service import SERVE_ENV, cpu_snapshot, cpu_used, requests_for, run_service, workload  # noqa: E402
+
+import ray  # noqa: E402
+import requests  # noqa: E402
+from ray import serve  # noqa: E402
+
+from model.config import PRESETS  # noqa: E402
+from model.loading.checkpoint import save_model  # noqa: E402
+from model.loading.loading import build_preset  # noqa: E402
+
+HTTP_PORT = 18410
+FRONT = "multi-model front"
+_role = bench_service.role
+
+
+def role(cmdline: str, name: str) -> str | None:
+    """bench_service's roles, and the front."""
+    return FRONT if "ModelRouter" in cmdline else _role(cmdline, name)
+
+
+bench_service.role = role  # cpu_snapshot looks the role up there
+
+
+def tiny_checkpoint(directory: str) -> str:
+    from model.config import ModelConfig
+    from model.models.transformer import Transformer
+
+    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2, d_ff=128, max_position=512)
+    net = Transformer(cfg)
+    net.init_weights(cfg.init_seed)
+    save_model(net, directory)
+    return directory
+
+
+def serve_and_measure(app_args: dict[str, Any], loads: dict[int, tuple[list[list[int]], list[int]]]) -> dict[int, Any]:
+    from service.app import build_app
+
+    serve.run(build_app(app_args), name="qkv", route_prefix="/")
+    url = f"http://127.0.0.1:{HTTP_PORT}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/health", timeout=5).ok:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    out = {}
+    try:
+        for c, (prompts, max_tokens) in loads.items():
+            run_service(url, prompts[:2], [4, 4], 1)  # warm the path (first request's set-up)
+            before, t0 = cpu_snapshot(), time.perf_counter()
+            served = run_service(url, prompts, max_tokens, c)
+            wall, after = time.perf_counter() - t0, cpu_snapshot()
+            served["cpu"] = cpu_used(before, after, served["output_tokens"], wall)
+            out[c] = served
+            print(f"{'front' if 'models' in app_args else 'direct'}, {c} clients: {served['tokens_per_s']:.1f} tok/s, "
+                  f"{served['tokens_per_chunk']:.2f} tokens/chunk", flush=True)
+    finally:
+        serve.delete("qkv")
+    return out
+
+
+def report(res: dict[str, Any]) -> None:
+    print(f"\n{res['threads']} torch threads; model {res['model']}")
+    print("| clients | path | tok/s | vs direct | TTFT p50 | ITL p50 | ITL p99 | tokens/chunk | serving CPU ms/token "
+          "| of it the front |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ms = lambda d, q: f"{d[q] * 1e3:.1f} ms"  # noqa: E731
+    for c in res["direct"]:
+        d = res["direct"][c]
+        for path, r in (("direct (HAProxy -> replica)", d), ("front (HAProxy -> front -> replica)", res["front"][c])):
+            front = r["cpu"].get(FRONT, {}).get("ms_per_token", 0.0)
+            print(f"| {c} | {path} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / d['tokens_per_s']:.2f}x | "
+                  f"{ms(r['ttft_s'], 'p50')} | {ms(r['itl_s'], 'p50')} | {ms(r['itl_s'], 'p99')} | "
+                  f"{r['tokens_per_chunk']:.2f} | {r['cpu']['serving path']['ms_per_token']:.3f} | {front:.3f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="transformer-base", choices=list(PRESETS), help="a random-weight preset")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--max-requests", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="a tiny model and 4 short requests at 1 and 4 clients")
+    ap.add_argument("--out", default="results/bench_multi_model.json")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="qkv-bench-multi-")
+    if args.quick:
+        model, vocab = tiny_checkpoint(tmp), 256
+        concurrency, n_requests = [1, 4], (lambda c: 4)
+    else:
+        save_model(build_preset(args.model), tmp)
+        model, vocab = tmp, PRESETS[args.model].vocab_size
+        concurrency, n_requests = args.concurrency, (lambda c: requests_for(c, args.max_requests))
+    loads = {}
+    for c in concurrency:
+        prompts, max_tokens = workload(n_requests(c), args.seed, vocab)
+        loads[c] = (prompts, [16 for _ in max_tokens] if args.quick else max_tokens)
+    one = {"model": model, "accelerator": "cpu", "dtype": "float32", "max_num_seqs": 64,
+           "engine_num_cpus": 1 if not args.quick else 0.5, "torch_threads": args.threads}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
+        res = {"model": "tiny (--quick)" if args.quick else args.model, "threads": args.threads, "serve_env": SERVE_ENV,
+               "load_average_start": os.getloadavg()}
+        res["direct"] = serve_and_measure(one, loads)
+        res["front"] = serve_and_measure({"models": [one], "router_num_cpus": 0.25}, loads)
+        res["load_average_end"] = os.getloadavg()
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    report(res)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
