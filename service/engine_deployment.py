@@ -289,6 +289,7 @@ class EngineReplica:
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_api(self._serving, self._host.healthy, self._settings)
+
     _forwarded_api: Any = None  # the HTTP edge that answers `forward` (built on first use)
 
     async def forward(self, route: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
@@ -299,7 +300,6 @@ class EngineReplica:
             self._forwarded_api = self.__serve_build_asgi_app__()
         async for item in run_asgi(self._forwarded_api, request):
             yield item
-
 
     def model_info(self) -> ModelInfo:
         return self._host.model_info()
