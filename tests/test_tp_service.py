@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from serve_fixtures import REPO
 from service.app import AppArgs, compose_app
 from service.placement import engine_device, replica_resources, warn_if_unplaceable
+from tiny_models import torch_threads
 
 HTTP_PORT, DASHBOARD_PORT, METRICS_PORT = 18370, 18371, 18372
 MODEL = "tp"
@@ -181,18 +182,19 @@ def _completion(url: str, prompt: str, max_tokens: int = 12) -> httpx.Response:
 
 
 def _reference(checkpoint: Path) -> Any:
-    import torch
-
     from model import LLM
 
-    torch.set_num_threads(1)  # as the workers run (tp_worker_num_cpus 0.5 -> one thread)
     return LLM(str(checkpoint))
 
 
 def _greedy(llm: Any, prompt: str | list[int], max_tokens: int = 12) -> str:
     from model import SamplingParams
 
-    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0].text
+    # One thread, as the workers run (tp_worker_num_cpus 0.5): restored after, so the modules
+    # that follow in the same pytest process keep their threads.
+    with torch_threads(1):
+        return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                     ignore_eos=True))[0].text
 
 
 def _assert_503(r: httpx.Response) -> None:
