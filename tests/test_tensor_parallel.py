@@ -181,6 +181,16 @@ def test_bad_tensor_parallel_size_names_the_field(tp: int, field: str, tmp_path)
         LLM(directory, device="cpu", dtype="float32", tensor_parallel_size=tp)
 
 
+def test_a_length_dependent_rope_is_refused_not_rotated_differently(tmp_path) -> None:
+    """Dynamic NTK rotates a long prompt by its length (AttnMetadata.rope_len), which the workers'
+    step message does not carry: such a model is refused before any worker starts."""
+    directory = str(write_tiny_llama(tmp_path / "m", "llama", num_key_value_heads=2, with_tokenizer=False,
+                                     rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                                     max_position_embeddings=32))
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic'"):
+        LLM(directory, device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
 def test_bad_parallel_arguments() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size 2 is not supported yet"):
         EngineConfig(pipeline_parallel_size=2)
