@@ -34,6 +34,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.layers.kv_cache import AttnMetadata, KVCache
+from model.layers.linear.dense import Linear
 
 # A fused decode kernel: (q (B, Hq, d), k_cache, v_cache (num_blocks, block_size, Hkv, d),
 # block_tables (B, W) long, context_lens (B,) long, scale, window: int | None) -> (B, Hq, d); query
@@ -252,8 +253,8 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.out = Linear(cfg.d_model, cfg.d_model)
         self.score: DotScore | AdditiveScore = (
             AdditiveScore(cfg.n_heads, cfg.d_head) if cfg.attention == "additive"
             else DotScore(cfg.d_head, cfg.scale_scores)

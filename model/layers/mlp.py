@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.layers.linear.dense import Linear
 
 
 class FeedForward(nn.Module):
@@ -14,8 +15,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.fc = Linear(cfg.d_model, cfg.d_ff)
+        self.proj = Linear(cfg.d_ff, cfg.d_model)
         self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,9 +34,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
         self.act = GATE_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,8 +49,8 @@ class FusedGatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.d_model, 2 * cfg.d_ff, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, d_ff) each

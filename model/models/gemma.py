@@ -18,12 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.config import GemmaOptions, ModelConfig
 from model.layers.attention import DotScore, PagedAttention
 from model.layers.kv_cache import AttnMetadata, KVCache
+from model.layers.linear.dense import linear
 from model.layers.mlp import GatedMLP
 from model.layers.norms import GemmaRMSNorm
 from model.layers.positions import RotaryEmbedding
@@ -98,7 +98,7 @@ class GemmaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab), soft-capped when the config says so (Gemma 2)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = linear(hidden, weight)
         cap = self.cfg.gemma.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -18,6 +18,7 @@ from torch import nn
 from model.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from model.layers.attention import DotScore, PagedAttention
 from model.layers.kv_cache import AttnMetadata, KVCache
+from model.layers.linear.dense import Linear, linear
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.positions import RotaryEmbedding
@@ -37,10 +38,10 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.kv_heads, cfg.d_head
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.d_head, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.d_head, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
+        self.q_proj = Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.d_model, cfg.kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.d_model, cfg.kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
             self.k_norm = RMSNorm(cfg.d_head, cfg.layer_norm_eps)
@@ -108,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
 
 
 # ---- config.json and weight names -------------------------------------------------------

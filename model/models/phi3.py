@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
+from model.layers.linear.dense import Linear
 from model.layers.mlp import FusedGatedMLP
 from model.models.llama import LlamaAttention, LlamaForCausalLM, _parser, _name_map, _skip
 from model.models.weight_map import ArchitectureSpec
@@ -27,7 +28,7 @@ class Phi3Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__(cfg, layer)
         del self.q_proj, self.k_proj, self.v_proj
-        self.qkv_proj = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv, self.d_head

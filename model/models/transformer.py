@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
 from model.layers.attention import MultiHeadAttention
 from model.layers.kv_cache import AttnMetadata, KVCache
+from model.layers.linear.dense import linear
 from model.layers.mlp import FeedForward
 from model.layers.positions import PerDevice, sinusoidal_table
 from model.models.weight_map import ArchitectureSpec, identity_map
@@ -79,7 +79,7 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab) with the output layer tied to the token embedding."""
-        return F.linear(hidden, self.wte.weight)
+        return linear(hidden, self.wte.weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
