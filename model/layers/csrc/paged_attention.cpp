@@ -19,7 +19,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,35 @@ inline __m512 load16(const T* p) {  // double: never on the fast path
 constexpr bool kVector = false;
 #endif
 
+// AVX2 + FMA (machines without AVX-512): the same loops 8 floats wide.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+constexpr bool kVector8 = true;
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+template <typename T>
+inline __m256 load8(const T* p) {  // double (and half without F16C): never on the fast path
+  float buf[8];
+  for (int i = 0; i < 8; ++i) buf[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(buf);
+}
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr bool kVector8 = false;
+#endif
+
 // q . k over d elements (q float32, k in the cache's dtype).
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -55,6 +84,12 @@ inline float dot(const float* q, const T* k, int64_t d) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (kVector8 && d % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+    return sum8(acc);
   }
 #endif
   float acc = 0.f;
@@ -70,6 +105,13 @@ inline void axpy(float* y, float a, const T* x, int64_t d) {
     const __m512 av = _mm512_set1_ps(a);
     for (int64_t i = 0; i < d; i += 16)
       _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, load16(x + i), _mm512_loadu_ps(y + i)));
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (kVector8 && d % 8 == 0) {
+    const __m256 av = _mm256_set1_ps(a);
+    for (int64_t i = 0; i < d; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
     return;
   }
 #endif
