@@ -1,27 +1,29 @@
 """Speculative decoding (issue 27): tokens/s, acceptance rate and mean accepted length for off /
-ngram / draft model at batch 1, 4 and 32, on a workload whose output repeats its input and one
-whose output does not. Prints a table and writes JSON.
+ngram / draft model at batch 1, 4 and 32, on a workload whose prompt asks for a copy of itself and
+one that does not. Prints a table and writes JSON.
 
-    python loadtests/bench_spec_decode.py --model transformer-base-trained \\
-        --draft model/weights/transformer-draft-trained --out spec_decode.json
-    python loadtests/bench_spec_decode.py --backoff            # the back-off measurement
-    python loadtests/bench_spec_decode.py --quick              # tiny models, a minute at most
+    python loadtests/bench_spec_decode.py --out spec_decode.json   # transformer-base-trained + its draft
+    python loadtests/bench_spec_decode.py --backoff                # where speculation stops paying
+    python loadtests/bench_spec_decode.py --quick                  # tiny models, a minute at most
 
-`--backoff` times one verification forward (B sequences x (1 + k) positions, with the sampling
-that verifies them) against one plain decode step (B x 1) at B = 1..32 over a 64-token context:
-speculation pays while that ratio stays below the expected tokens per verification,
-(1 - a^(k+1)) / (1 - a) at acceptance rate a. The smallest B where it does not at a = 0.5 is the
-default `disable_by_batch_size` (model/engine/spec_decode/config.py).
+Greedy, `ignore_eos`, 128 tokens per prompt. Batch B runs max(B, --prompts) prompts in groups of B
+(batch 1: one prompt after another). Every method has its engine built once; each round runs off,
+ngram and draft in turn, and the speed-up is the median over rounds of each round's ratio to its
+plain run (drift on the shared machine hits both sides of a ratio alike). `copied`: how many
+output tokens reproduce the asked-for copy before the first miss.
+
+`--backoff` runs the fresh workload at B = 1..16 with speculation never turned off, against plain
+decoding: the largest B where every method still pays is the default `disable_by_batch_size`
+(model/engine/spec_decode/config.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
+import statistics
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -31,124 +33,152 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
-from model.engine.engine import Engine  # noqa: E402
-from model.engine.scheduler import ScheduledSeq  # noqa: E402
+from model.training.corpus import build, stdlib_modules  # noqa: E402
 
-PASSAGES = [textwrap.dedent(m.__doc__ or "") for m in
-            (__import__("json"), __import__("textwrap"), __import__("argparse"), __import__("heapq"),
-             __import__("bisect"), __import__("shlex"), __import__("string"), __import__("pickle"))]
+# The default model (and the draft trained for it) learned 256-byte windows and held out the corpus's
+# tail: its last modules' pydoc text is what the workloads are cut from, and every prompt plus its
+# output stays inside 256 bytes (past that the default model's text falls apart: its sinusoidal
+# positions never saw more).
+HELD_OUT_MODULES = 12
+FRESH_BYTES, REPEAT_BYTES, CUE_BYTES = 64, 80, 8
 
 
-def workload(name: str, batch: int, nbytes: int) -> list[str]:
-    """`repeat`: a passage, then its start again (a copy continues it: editing, refactoring);
-    `fresh`: the start of a passage the prompt never showed more of."""
+def passages(count: int) -> list[list[int]]:
+    """`count` passages of held-out pydoc text (byte ids), each from a line start, spread evenly."""
+    text, _ = build(stdlib_modules()[-HELD_OUT_MODULES:], None)
+    data = text.encode("utf-8")
     out = []
-    for i in range(batch):
-        full = PASSAGES[i % len(PASSAGES)].strip()
-        # later rounds start further in, wrapping inside the first half (some docstrings are one line)
-        text = full[(i // len(PASSAGES)) * 40 % max(1, len(full) // 2):]
-        if name == "repeat":
-            body = text[:nbytes]
-            out.append(f"Repeat this text.\n\n{body}\n\nRepeated:\n\n{body[:48]}")
-        else:
-            out.append(text[:64])
+    for i in range(count):
+        at = i * (len(data) // count)
+        while data[at:at + 1] in (b"\n", b" ", b"|"):  # past blank lines and pydoc's bare margins
+            at += 1
+        at = data.rfind(b"\n", 0, at) + 1
+        out.append(list(data[at:at + REPEAT_BYTES]))
     return out
 
 
-def run(model: str, spec: dict | None, prompts: list[str], max_tokens: int, threads: int) -> dict:
-    torch.set_num_threads(threads)
-    llm = LLM(model, dtype="float32", engine_config=EngineConfig(max_num_seqs=max(64, len(prompts)),
-                                                                 speculative_config=spec))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(["warm-up " * 4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+def workload(name: str, texts: list[list[int]]) -> tuple[list[list[int]], list[list[int]] | None]:
+    """Prompts, and for `repeat` the copy each prompt asks for. `repeat`: a passage, a blank line
+    and its first bytes again (a copy continues it: editing, refactoring); `fresh`: the start of
+    a passage the prompt shows nothing more of."""
+    if name == "fresh":
+        return [t[:FRESH_BYTES] for t in texts], None
+    sep = list(b"\n\n")
+    return [t + sep + t[:CUE_BYTES] for t in texts], [t[CUE_BYTES:] for t in texts]
+
+
+def copied(outputs: list[list[int]], copies: list[list[int]] | None) -> float | None:
+    """Mean number of output tokens that reproduce the asked-for copy before the first miss."""
+    if copies is None:
+        return None
+    lengths = []
+    for out, want in zip(outputs, copies):
+        n = 0
+        while n < min(len(out), len(want)) and out[n] == want[n]:
+            n += 1
+        lengths.append(n)
+    return sum(lengths) / len(lengths)
+
+
+def timed(llm: LLM, groups: list[list[list[int]]], params: SamplingParams) -> dict:
+    """Each group of prompts generated together, one group after another: tokens/s and the
+    speculation counters over all of them."""
     st0 = llm.engine.stats()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [o.token_ids for g in groups for o in llm.generate(g, params)]
     wall = time.perf_counter() - t0
     st = llm.engine.stats()
-    tokens = sum(len(o.token_ids) for o in outs)
+    tokens = sum(len(o) for o in outs)
     drafts = st.spec_decode_num_draft_tokens - st0.spec_decode_num_draft_tokens
     accepted = st.spec_decode_num_accepted_tokens - st0.spec_decode_num_accepted_tokens
     verifies = (st.spec_decode_num_drafts_per_position[0] - st0.spec_decode_num_drafts_per_position[0]
                 if st.spec_decode_num_drafts_per_position else 0)
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
             "acceptance_rate": accepted / drafts if drafts else None,
-            "mean_accepted_length": 1 + accepted / verifies if verifies else None,
-            "outputs": [o.token_ids for o in outs]}
+            "mean_accepted_length": 1 + accepted / verifies if verifies else None, "outputs": outs}
+
+
+def engines(args) -> dict[str, LLM]:
+    """off, ngram and (with --draft) draft: one engine each, built once, warmed up."""
+    methods: dict[str, dict | None] = {"off": None, "ngram": {
+        "method": "ngram", "num_speculative_tokens": args.k_ngram, "prompt_lookup_min": args.lookup[0],
+        "prompt_lookup_max": args.lookup[1], "disable_by_batch_size": args.disable_by_batch_size}}
+    if args.draft:
+        methods["draft"] = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k_draft,
+                            "disable_by_batch_size": args.disable_by_batch_size}
+    out = {}
+    for name, spec in methods.items():
+        llm = LLM(args.model, dtype="float32", engine_config=EngineConfig(
+            max_num_seqs=max(64, *args.batch), speculative_config={k: v for k, v in spec.items() if v is not None}
+            if spec else None))
+        llm.generate([list(b"warm-up " * 4)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        out[name] = llm
+    return out
 
 
 def bench(args) -> list[dict]:
-    methods = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k,
-                                      "prompt_lookup_min": args.lookup[0], "prompt_lookup_max": args.lookup[1]}}
-    if args.draft:
-        methods["draft"] = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+    torch.set_num_threads(args.threads)
+    llms = engines(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rows = []
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"{'workload':8} {'batch':>5} {'method':6} {'tok/s':>8} {'speed-up':>8} {'accept':>6} {'mean len':>8} "
+          f"{'copied':>6} identical", flush=True)
     for wl in ("repeat", "fresh"):
         for batch in args.batch:
-            prompts = workload(wl, batch, args.prompt_bytes)
-            base = None
-            for name, spec in methods.items():
-                r = run(args.model, spec, prompts, args.max_tokens, args.threads)
-                if base is None:
-                    base = r
-                same = r["outputs"] == base["outputs"]  # greedy: speculation must not change a token
-                row = {"workload": wl, "batch": batch, "method": name, "speedup": r["tokens_per_s"] / base["tokens_per_s"],
-                       "greedy_identical": same, **{k: v for k, v in r.items() if k != "outputs"}}
+            n = max(batch, args.prompts)
+            prompts, copies = workload(wl, passages(n))
+            groups = [prompts[i:i + batch] for i in range(0, n, batch)]
+            runs: dict[str, list[dict]] = {name: [] for name in llms}
+            for _ in range(args.rounds):  # methods in turn each round: drift hits all alike
+                for name, llm in llms.items():
+                    runs[name].append(timed(llm, groups, params))
+            for name, rs in runs.items():
+                r = dict(rs[0], tokens_per_s=statistics.median(x["tokens_per_s"] for x in rs))
+                # each round's ratio to the plain run just before it, then the median: drift between
+                # rounds (the machine is shared) cancels
+                speedup = statistics.median(x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(rs, runs["off"]))
+                same = all(x["outputs"] == runs["off"][0]["outputs"] for x in rs)  # greedy: not one token differs
+                row = {"workload": wl, "batch": batch, "method": name, "prompts": n, "rounds": args.rounds,
+                       "speedup": speedup, "greedy_identical": same,
+                       "copied_tokens": copied(r["outputs"], copies),
+                       **{k: v for k, v in r.items() if k != "outputs"}}
                 rows.append(row)
-                fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-                print(f"{wl:7} {batch:5} {name:6} {r['tokens_per_s']:9.1f} tok/s  x{row['speedup']:.2f}  "
-                      f"accept {fmt(r['acceptance_rate'])}  mean len {fmt(r['mean_accepted_length'])}  "
-                      f"identical {same}", flush=True)
+                print(f"{wl:8} {batch:5} {name:6} {r['tokens_per_s']:8.1f} {row['speedup']:7.2f}x "
+                      f"{fmt(r['acceptance_rate']):>6} {fmt(r['mean_accepted_length']):>8} "
+                      f"{fmt(row['copied_tokens']):>6} {same}", flush=True)
     return rows
 
 
-@torch.inference_mode()
 def backoff(args) -> list[dict]:
-    """Verification step / decode step time ratio at batch sizes 1..32 (see the module doc)."""
+    """Speculation left on at every batch size (disable_by_batch_size above the largest) against
+    plain decoding, on the fresh workload at B = --backoff-batch sizes: the speed-up per method and
+    batch size. Speculation pays while it stays above 1; the largest B where it does for both
+    methods is the default `disable_by_batch_size` (model/engine/spec_decode/config.py)."""
+    args.disable_by_batch_size = max(args.backoff_batch)
     torch.set_num_threads(args.threads)
-    k, rows = args.k, []
-    for b in (1, 2, 4, 8, 12, 16, 24, 32):
-        eng = Engine(args.model, EngineConfig(max_num_seqs=64, speculative_config={"method": "ngram",
-                                                                                  "num_speculative_tokens": k}),
-                     dtype="float32")
-        rng = random.Random(b)
-        for i in range(b):
-            eng.add_request(str(i), [rng.randrange(eng.model_config.vocab_size) for _ in range(64)],
-                            SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
-        while any(s.num_uncomputed_tokens != 1 for s in eng.scheduler.running) or len(eng.scheduler.running) < b:
-            eng.step()
-        seqs = list(eng.scheduler.running)
-        for s in seqs:
-            eng.scheduler.blocks.grow(s, s.num_computed_tokens + 1 + k)
-        decode = [ScheduledSeq(s, 1) for s in seqs]
-        verify = [ScheduledSeq(s, 1 + k, [rng.randrange(eng.model_config.vocab_size) for _ in range(k)]) for s in seqs]
-
-        def t_decode() -> None:
-            eng.runner.run(decode, [eng._row(s) for s in seqs])
-
-        def t_verify() -> None:
-            logits: dict = {}
-            eng.runner.run(verify, [], None, logits)
-            eng.spec.verify([(v.seq, v.spec, logits[v.seq.request_id], None) for v in verify], eng._row)
-
-        times = {}
-        for name, fn in (("decode", t_decode), ("verify", t_verify)):
-            fn()
-            samples = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-            times[name] = min(samples)  # the least disturbed run: the CPU is shared
-        ratio = times["verify"] / times["decode"]
-        rows.append({"batch": b, "k": k, "decode_ms": times["decode"] * 1e3, "verify_ms": times["verify"] * 1e3,
-                     "ratio": ratio})
-        print(f"batch {b:3}: decode {times['decode'] * 1e3:7.2f} ms, verify (1+{k}) {times['verify'] * 1e3:7.2f} ms, "
-              f"ratio {ratio:.2f}", flush=True)
-    for a in (0.3, 0.5, 0.7, 0.9):
-        gain = (1 - a ** (k + 1)) / (1 - a)
-        worth = [r["batch"] for r in rows if r["ratio"] < gain]
-        print(f"acceptance {a}: {gain:.2f} tokens per verification; pays up to batch {max(worth, default=0)}")
+    llms = engines(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for batch in args.backoff_batch:
+        prompts, _ = workload("fresh", passages(batch))
+        runs: dict[str, list[dict]] = {name: [] for name in llms}
+        for _ in range(args.rounds):
+            for name, llm in llms.items():
+                runs[name].append(timed(llm, [prompts], params))
+        line = []
+        for name, rs in runs.items():
+            if name == "off":
+                continue
+            speedup = statistics.median(x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(rs, runs["off"]))
+            rows.append({"batch": batch, "method": name, "speedup": speedup, "acceptance_rate": rs[0]["acceptance_rate"],
+                         "mean_accepted_length": rs[0]["mean_accepted_length"]})
+            line.append(f"{name} x{speedup:.2f} (accept {rs[0]['acceptance_rate'] or 0:.2f})")
+        print(f"batch {batch:3}: " + ", ".join(line), flush=True)
+    for name in llms:
+        pays = [r["batch"] for r in rows if r["method"] == name and r["speedup"] > 1.0]
+        if name != "off":
+            print(f"{name}: faster than plain decoding at batch sizes {pays}")
     return rows
 
 
@@ -175,15 +205,20 @@ def tiny_models(root: Path) -> tuple[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="transformer-base-trained")
-    ap.add_argument("--draft", default=None, help="draft checkpoint (same vocabulary); none: no draft rows")
+    ap.add_argument("--draft", default="transformer-draft-trained",
+                    help="draft preset or checkpoint (same vocabulary); '' for no draft rows")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 32])
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--lookup", type=int, nargs=2, default=[3, 12], metavar=("MIN", "MAX"),
+    ap.add_argument("--k-ngram", type=int, default=3, help="ngram num_speculative_tokens (also --backoff's k)")
+    ap.add_argument("--k-draft", type=int, default=3, help="draft num_speculative_tokens")
+    ap.add_argument("--lookup", type=int, nargs=2, default=[1, 12], metavar=("MIN", "MAX"),
                     help="ngram prompt_lookup_min/max (in tokens: bytes for the byte-level default model)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="default: the engine's")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--prompt-bytes", type=int, default=400)
+    ap.add_argument("--prompts", type=int, default=8,
+                    help="prompts per point at least: batch 1 runs this many one after another")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per point, methods in turn (median)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7, help="--backoff: timed repeats per point")
+    ap.add_argument("--backoff-batch", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
     ap.add_argument("--backoff", action="store_true", help="measure the back-off rule instead")
     ap.add_argument("--quick", action="store_true", help="tiny models and sizes: checks the script runs")
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -191,7 +226,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
             args.model, args.draft = tiny_models(Path(tmp))
-            args.batch, args.max_tokens, args.prompt_bytes, args.repeats = [1, 4], 24, 120, 3
+            args.batch, args.max_tokens, args.prompts, args.rounds, args.backoff_batch = [1, 4], 24, 4, 1, [1, 4]
         result = {"args": {k: v for k, v in vars(args).items()}}
         result["backoff" if args.backoff else "rows"] = backoff(args) if args.backoff else bench(args)
     if args.out:

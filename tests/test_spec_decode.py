@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
 from model.engine.spec_decode import SpeculativeConfig  # noqa: E402
+from model.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
 from model.engine.spec_decode.ngram import propose  # noqa: E402
 from model.engine.spec_decode.rejection import greedy_accept, rejection_sample  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
@@ -288,11 +289,17 @@ def test_speculative_config_is_validated(models) -> None:
            ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
            ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
-            "prompt_lookup_min")]
+            "prompt_lookup_min"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "4"}, "prompt_lookup_max"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size")]
     for raw, message in bad:
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=raw)
     assert SpeculativeConfig.parse(None) is None
+    for method, extra in (("ngram", {}), ("draft_model", {"model": "d"})):  # each method's measured back-off
+        parsed = SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3, **extra})
+        assert parsed.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE[method]
+        assert SpeculativeConfig.parse(SpeculativeConfig(method, 3, **extra)) == parsed
     from service.app import AppArgs  # the app argument reaches EngineConfig, checked there
 
     spec = {"method": "ngram", "num_speculative_tokens": 3}

@@ -8,9 +8,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-# Speculation is off for a step whose running batch is larger than this (measured on the CPU with
-# loadtests/bench_spec_decode.py --backoff; see the README's speculative-decoding section).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Speculation is off for a step whose running batch is larger than this, per method: measured on
+# the CPU with loadtests/bench_spec_decode.py --backoff (the README's speculative-decoding section):
+# the default model gained with ngram up to 3 running sequences, with its trained draft up to 8.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 3, "draft_model": 8}
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None  # None: the method's DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """Validated config, or None for no speculation; ValueError naming the bad key."""
-        if raw is None or isinstance(raw, SpeculativeConfig):
-            return raw
+        """Validated config with every default filled in, or None for no speculation; ValueError
+        naming the bad key."""
+        if raw is None:
+            return None
+        if isinstance(raw, SpeculativeConfig):
+            raw = {f.name: getattr(raw, f.name) for f in fields(raw)}
         if not isinstance(raw, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(raw).__name__}")
         known = {f.name for f in fields(cls)}
@@ -36,15 +40,16 @@ class SpeculativeConfig:
         method = raw.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}; got {method!r}")
-        k = raw.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if raw.get("disable_by_batch_size") is None:
+            raw = {**raw, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE[method]}
         cfg = cls(**raw)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            value = getattr(cfg, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.method 'draft_model' needs 'model' (a preset or checkpoint)")
-        if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+        if method == "ngram" and cfg.prompt_lookup_min > cfg.prompt_lookup_max:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{cfg.prompt_lookup_min}, {cfg.prompt_lookup_max}")
-        if cfg.disable_by_batch_size < 1:
-            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {cfg.disable_by_batch_size}")
         return cfg
