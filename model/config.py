@@ -245,7 +245,7 @@ PRESETS: dict[str, ModelConfig] = {
     "transformer-base": ModelConfig(),
     "transformer-base-additive": ModelConfig(attention="additive"),
     # The shape of a speculative-decoding draft for transformer-base (2 layers of d_model 256, the
-    # same byte vocabulary): train it with model.training.train --preset transformer-draft-small.
+    # same byte vocabulary); trained on the default model's corpus it ships as transformer-draft-trained.
     "transformer-draft-small": ModelConfig(d_model=256, n_heads=4, n_layers=2, d_ff=1024),
     # GPT-2 small shape (124M parameters), random weights: benchmarks only.
     "gpt2-small-random": ModelConfig(
