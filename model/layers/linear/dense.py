@@ -2,13 +2,14 @@
 
 On the CPU, `F.linear` for one row is a matrix-vector product that streams the weight once; for
 2 to 32 rows (a small decode batch, a speculative verification of 1 + k positions) it takes MKL's
-small-M matrix product, which here ran 1.5-2.1x the time of one row for the same weight bytes.
+small-M matrix product, which here ran 1.5-2.5x the time of one row for the same weight bytes.
 The same product taken the other way round, `(W @ x^T)^T` with x contiguous, costs about one
-row's time up to 4 rows and 1.5x at 9-16 (`loadtests/bench_linear_rows.py`, a whole model's
-weights from memory); the engine's decode step at batch 2-16 took 0.59-0.62x the time
-(`--engine transformer-base-trained`). The result is made contiguous again: left transposed, the
-next layer's product gets x^T contiguous, which is MKL's slow case once more. Only float32 on the
-CPU takes this path; it is the same product up to float rounding (another summation order).
+row's time up to 4 rows and at most 1.05x `F.linear`'s up to 32 (`loadtests/bench_linear_rows.py`,
+a whole model's weights read from memory; two runs); the engine's decode step at batch 2-32
+took 0.55-0.88x the time (`--engine transformer-base-trained`). The result is made contiguous
+again: left transposed, the next layer's product gets x^T contiguous, MKL's slow case once more.
+Only float32 on the CPU takes this path; it is the same product up to float rounding (another
+summation order).
 """
 
 from __future__ import annotations
