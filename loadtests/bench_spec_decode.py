@@ -6,11 +6,16 @@ one that does not. Prints a table and writes JSON.
     python loadtests/bench_spec_decode.py --backoff                # where speculation stops paying
     python loadtests/bench_spec_decode.py --quick                  # tiny models, a minute at most
 
-Greedy, `ignore_eos`, 128 tokens per prompt. Batch B runs max(B, --prompts) prompts in groups of B
-(batch 1: one prompt after another). Every method has its engine built once; each round runs off,
-ngram and draft in turn, and the speed-up is the median over rounds of each round's ratio to its
-plain run (drift on the shared machine hits both sides of a ratio alike). `copied`: how many
+Greedy, `ignore_eos`, 128 tokens per prompt. Batch B runs max(2B, --prompts) prompts in groups of
+B (batch 1: one prompt after another). Every method has its engine built once; each round runs
+off, ngram and draft in turn (reversed every other round), and the speed-up is the median over
+rounds of each round's ratio to its plain run (drift on the shared machine hits both sides of a
+ratio alike). `copied`: how many
 output tokens reproduce the asked-for copy before the first miss.
+
+`--verify-cost` times the runner's verification of 1 + k positions against one decode step (batch 1,
+100-token context); with `--no-small-batch-product` every product goes through `F.linear`, as it
+did before `model/layers/linear/dense.py`.
 
 `--backoff` runs the fresh workload at B = 1..16 with speculation never turned off, against plain
 decoding: the largest B where every method still pays is the default `disable_by_batch_size`
@@ -33,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
+from model.engine.engine import Engine  # noqa: E402
+from model.engine.scheduler import ScheduledSeq  # noqa: E402
+from model.layers.linear import dense  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
 
 # The default model (and the draft trained for it) learned 256-byte windows and held out the corpus's
@@ -116,35 +124,44 @@ def engines(args) -> dict[str, LLM]:
     return out
 
 
+def rounds(llms: dict[str, LLM], run, count: int) -> dict[str, list[dict]]:
+    """`run(llm)` for every engine in turn, `count` rounds, the order reversed every other round
+    (a method that always ran first, or last, would carry any drift within a round)."""
+    out: dict[str, list[dict]] = {name: [] for name in llms}
+    for r in range(count):
+        for name in (list(llms) if r % 2 == 0 else list(reversed(llms))):
+            out[name].append(run(llms[name]))
+    return out
+
+
 def bench(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     llms = engines(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    print(f"{'workload':8} {'batch':>5} {'method':6} {'tok/s':>8} {'speed-up':>8} {'accept':>6} {'mean len':>8} "
+    print(f"{'workload':8} {'batch':>5} {'method':6} {'tok/s':>8} {'speed-up':>8} {'rounds':>9} {'accept':>6} {'mean len':>8} "
           f"{'copied':>6} identical", flush=True)
     for wl in ("repeat", "fresh"):
         for batch in args.batch:
-            n = max(batch, args.prompts)
+            n = max(2 * batch, args.prompts)  # two groups at least: a run of one short group is all noise
             prompts, copies = workload(wl, passages(n))
             groups = [prompts[i:i + batch] for i in range(0, n, batch)]
-            runs: dict[str, list[dict]] = {name: [] for name in llms}
-            for _ in range(args.rounds):  # methods in turn each round: drift hits all alike
-                for name, llm in llms.items():
-                    runs[name].append(timed(llm, groups, params))
+            runs = rounds(llms, lambda llm: timed(llm, groups, params), args.rounds)
             for name, rs in runs.items():
                 r = dict(rs[0], tokens_per_s=statistics.median(x["tokens_per_s"] for x in rs))
                 # each round's ratio to the plain run just before it, then the median: drift between
                 # rounds (the machine is shared) cancels
-                speedup = statistics.median(x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(rs, runs["off"]))
+                ratios = [x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(rs, runs["off"])]
                 same = all(x["outputs"] == runs["off"][0]["outputs"] for x in rs)  # greedy: not one token differs
                 row = {"workload": wl, "batch": batch, "method": name, "prompts": n, "rounds": args.rounds,
-                       "speedup": speedup, "greedy_identical": same,
+                       "speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
+                       "greedy_identical": same,
                        "copied_tokens": copied(r["outputs"], copies),
                        **{k: v for k, v in r.items() if k != "outputs"}}
                 rows.append(row)
-                print(f"{wl:8} {batch:5} {name:6} {r['tokens_per_s']:8.1f} {row['speedup']:7.2f}x "
+                spread = f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}"
+                print(f"{wl:8} {batch:5} {name:6} {r['tokens_per_s']:8.1f} {row['speedup']:7.2f}x {spread:>9} "
                       f"{fmt(r['acceptance_rate']):>6} {fmt(r['mean_accepted_length']):>8} "
                       f"{fmt(row['copied_tokens']):>6} {same}", flush=True)
     return rows
@@ -162,10 +179,7 @@ def backoff(args) -> list[dict]:
     rows = []
     for batch in args.backoff_batch:
         prompts, _ = workload("fresh", passages(batch))
-        runs: dict[str, list[dict]] = {name: [] for name in llms}
-        for _ in range(args.rounds):
-            for name, llm in llms.items():
-                runs[name].append(timed(llm, [prompts], params))
+        runs = rounds(llms, lambda llm: timed(llm, [prompts], params), args.rounds)
         line = []
         for name, rs in runs.items():
             if name == "off":
@@ -179,6 +193,45 @@ def backoff(args) -> list[dict]:
         pays = [r["batch"] for r in rows if r["method"] == name and r["speedup"] > 1.0]
         if name != "off":
             print(f"{name}: faster than plain decoding at batch sizes {pays}")
+    return rows
+
+
+@torch.inference_mode()
+def verify_cost(args) -> list[dict]:
+    """One sequence over a 100-token context: the runner's step verifying 1 + k positions (its
+    forward and the sampling that checks the proposals) against a plain decode step, k = 1..8,
+    in turn, median of --rounds x 5 timings each."""
+    torch.set_num_threads(args.threads)
+    eng = Engine(args.model, EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 8}),
+                 dtype="float32")
+    vocab = eng.model_config.vocab_size
+    eng.add_request("r", [i * 7 % vocab for i in range(100)], SamplingParams(max_tokens=64, temperature=0.0,
+                                                                           ignore_eos=True))
+    while not eng.scheduler.running or eng.scheduler.running[0].num_uncomputed_tokens != 1:
+        eng.step()
+    seq = eng.scheduler.running[0]
+    eng.scheduler.blocks.grow(seq, seq.num_computed_tokens + 9)
+
+    def verify(k: int) -> None:
+        step = [ScheduledSeq(seq, 1 + k, [(i * 13) % vocab for i in range(k)])]
+        logits: dict = {}
+        eng.runner.run(step, [], None, logits)
+        eng.spec.verify([(s.seq, s.spec, logits[s.seq.request_id], None) for s in step], eng._row)
+
+    fns = {0: lambda: eng.runner.run([ScheduledSeq(seq, 1)], [eng._row(seq)])}
+    fns.update({k: (lambda k=k: verify(k)) for k in range(1, 9)})
+    samples: dict[int, list[float]] = {k: [] for k in fns}
+    for r in range(args.rounds * 5 + 2):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r >= 2:
+                samples[k].append(time.perf_counter() - t0)
+    decode = statistics.median(samples[0])
+    rows = [{"k": k, "ms": statistics.median(v) * 1e3, "ratio": statistics.median(v) / decode}
+            for k, v in samples.items()]
+    print(f"decode step {decode * 1e3:.2f} ms; verification of 1 + k positions / decode step: "
+          + ", ".join(f"k={r['k']} {r['ratio']:.2f}" for r in rows if r["k"]), flush=True)
     return rows
 
 
@@ -220,15 +273,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backoff-batch", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
     ap.add_argument("--backoff", action="store_true", help="measure the back-off rule instead")
+    ap.add_argument("--verify-cost", action="store_true",
+                    help="time one verification of 1 + k positions against a decode step instead")
+    ap.add_argument("--no-small-batch-product", action="store_true",
+                    help="every row count through F.linear (model/layers/linear/dense.py off): the figures before it")
     ap.add_argument("--quick", action="store_true", help="tiny models and sizes: checks the script runs")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args()
+    if args.no_small_batch_product:
+        dense.SMALL_ROWS_MAX = 1
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
             args.model, args.draft = tiny_models(Path(tmp))
             args.batch, args.max_tokens, args.prompts, args.rounds, args.backoff_batch = [1, 4], 24, 4, 1, [1, 4]
         result = {"args": {k: v for k, v in vars(args).items()}}
-        result["backoff" if args.backoff else "rows"] = backoff(args) if args.backoff else bench(args)
+        mode = "backoff" if args.backoff else "verify_cost" if args.verify_cost else "rows"
+        result[mode] = {"backoff": backoff, "verify_cost": verify_cost, "rows": bench}[mode](args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
