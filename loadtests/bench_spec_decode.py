@@ -10,15 +10,14 @@ Greedy, `ignore_eos`, 128 tokens per prompt. Batch B runs max(2B, --prompts) pro
 B (batch 1: one prompt after another). Every method has its engine built once; each round runs
 off, ngram and draft in turn (reversed every other round), and the speed-up is the median over
 rounds of each round's ratio to its plain run (drift on the shared machine hits both sides of a
-ratio alike). `copied`: how many
-output tokens reproduce the asked-for copy before the first miss.
+ratio alike). `copied`: how many output tokens reproduce the asked-for copy before the first miss.
 
 `--verify-cost` times the runner's verification of 1 + k positions against one decode step (batch 1,
 100-token context); with `--no-small-batch-product` every product goes through `F.linear`, as it
 did before `model/layers/linear/dense.py`.
 
 `--backoff` runs the fresh workload at B = 1..16 with speculation never turned off, against plain
-decoding: the largest B where every method still pays is the default `disable_by_batch_size`
+decoding: the largest B where a method still pays is its default `disable_by_batch_size`
 (model/engine/spec_decode/config.py).
 """
 
@@ -150,8 +149,8 @@ def bench(args) -> list[dict]:
             runs = rounds(llms, lambda llm: timed(llm, groups, params), args.rounds)
             for name, rs in runs.items():
                 r = dict(rs[0], tokens_per_s=statistics.median(x["tokens_per_s"] for x in rs))
-                # each round's ratio to the plain run just before it, then the median: drift between
-                # rounds (the machine is shared) cancels
+                # each round's ratio to the plain run of the same round, then the median: drift
+                # between rounds (the machine is shared) cancels
                 ratios = [x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(rs, runs["off"])]
                 same = all(x["outputs"] == runs["off"][0]["outputs"] for x in rs)  # greedy: not one token differs
                 row = {"workload": wl, "batch": batch, "method": name, "prompts": n, "rounds": args.rounds,
@@ -170,8 +169,8 @@ def bench(args) -> list[dict]:
 def backoff(args) -> list[dict]:
     """Speculation left on at every batch size (disable_by_batch_size above the largest) against
     plain decoding, on the fresh workload at B = --backoff-batch sizes: the speed-up per method and
-    batch size. Speculation pays while it stays above 1; the largest B where it does for both
-    methods is the default `disable_by_batch_size` (model/engine/spec_decode/config.py)."""
+    batch size. Speculation pays while it stays above 1; the largest B where a method still pays
+    is its default `disable_by_batch_size` (model/engine/spec_decode/config.py)."""
     args.disable_by_batch_size = max(args.backoff_batch)
     torch.set_num_threads(args.threads)
     llms = engines(args)
@@ -261,7 +260,7 @@ def main() -> None:
     ap.add_argument("--draft", default="transformer-draft-trained",
                     help="draft preset or checkpoint (same vocabulary); '' for no draft rows")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 32])
-    ap.add_argument("--k-ngram", type=int, default=3, help="ngram num_speculative_tokens (also --backoff's k)")
+    ap.add_argument("--k-ngram", type=int, default=3, help="ngram num_speculative_tokens")
     ap.add_argument("--k-draft", type=int, default=3, help="draft num_speculative_tokens")
     ap.add_argument("--lookup", type=int, nargs=2, default=[1, 12], metavar=("MIN", "MAX"),
                     help="ngram prompt_lookup_min/max (in tokens: bytes for the byte-level default model)")

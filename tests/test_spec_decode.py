@@ -286,6 +286,7 @@ def test_counters_and_backoff(models) -> None:
 def test_speculative_config_is_validated(models) -> None:
     bad = [({"method": "medusa", "num_speculative_tokens": 2}, "method"),
            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+           ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1, got None"),
            ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
            ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},

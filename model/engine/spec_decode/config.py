@@ -42,11 +42,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}; got {method!r}")
         if raw.get("disable_by_batch_size") is None:
             raw = {**raw, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE[method]}
-        cfg = cls(**raw)
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
-            value = getattr(cfg, name)
+            value = raw.get(name, getattr(cls, name, None))  # the class attribute: the field's default
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        cfg = cls(**raw)
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.method 'draft_model' needs 'model' (a preset or checkpoint)")
         if method == "ngram" and cfg.prompt_lookup_min > cfg.prompt_lookup_max:
