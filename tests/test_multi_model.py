@@ -203,6 +203,9 @@ class TestAdapterRouting:
         assert sorted(v for v in got.values() if v > 0) == [n], got  # one replica ran them all
 
     def test_a_burst_for_a_new_dynamic_adapter_loads_it_on_one_replica(self, url: str) -> None:
+        # An earlier load (the test before loads `a` on first use) reaches Ray's endpoint only on the
+        # replicas' next 2 s refresh: let it land before the baseline, or it counts as this burst's.
+        time.sleep(2 * GAUGE_REFRESH_S + METRICS_INTERVAL_MS / 1000)
         loads_before = per_replica("ray_qkv_lora_adapter_loads_total")
         prompts = [f"{i}: a burst for an adapter nobody holds yet" for i in range(6)]
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
