@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch import nn
 
 from model.config import ModelConfig
 from model.layers.linear.dense import Linear
