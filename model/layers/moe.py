@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig, MoEConfig
+from model.layers.linear.dense import linear
 from model.layers.mlp import GatedMLP
 
 
@@ -69,8 +70,8 @@ class Experts(nn.Module):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on its tokens: x (n, D) -> (n, D)."""
         bias = self.moe.expert_bias
-        h = F.linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e] if bias else None)  # (n, 2F)
-        return F.linear(self._act(h), self.down_proj[e], self.down_proj_bias[e] if bias else None)
+        h = linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e] if bias else None)  # (n, 2F)
+        return linear(self._act(h), self.down_proj[e], self.down_proj_bias[e] if bias else None)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights and ids (T, k) -> sum over each token's k experts of weight * expert(x)."""

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import PRESETS, ModelConfig
+from model.layers.linear.dense import linear
 from model.models.registry import architecture_of, build_model
 from model.models.weight_map import CheckpointError
 
@@ -119,7 +120,7 @@ class RowParallelLinear(nn.Linear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
