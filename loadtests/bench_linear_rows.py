@@ -52,24 +52,18 @@ def time_pass(fn, weights: list[tuple[torch.Tensor, torch.Tensor]], xs: dict[int
 
 def engine_steps(args) -> list[dict]:
     """Decode-step time of `args.engine` at each batch size, the transposed product off and on."""
-    import random
+    from profile_step import fill  # this script's folder
 
-    from model import SamplingParams
     from model.config import EngineConfig
     from model.engine.engine import Engine
     from model.engine.scheduler import ScheduledSeq
 
     forced = (dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX)
-    rows, one = [], None
+    rows = []
     print(f"{'batch':>5} {'F.linear ms':>12} {'transposed ms':>14} {'ratio':>6}")
     for b in args.rows:
         eng = Engine(args.engine, EngineConfig(max_num_seqs=max(b, 8)), dtype="float32")
-        rng = random.Random(b)
-        for i in range(b):
-            eng.add_request(str(i), [rng.randrange(eng.model_config.vocab_size) for _ in range(64)],
-                            SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
-        while len(eng.scheduler.running) < b or any(s.num_uncomputed_tokens != 1 for s in eng.scheduler.running):
-            eng.step()
+        fill(eng, b, 64, 96, eng.model_config.vocab_size)
         seqs = list(eng.scheduler.running)
         for s in seqs:  # the next token's block, as the scheduler would grow it
             eng.scheduler.blocks.grow(s, s.num_computed_tokens + 1)

@@ -41,6 +41,7 @@ from model.engine.engine import Engine  # noqa: E402
 from model.engine.scheduler import ScheduledSeq  # noqa: E402
 from model.layers.linear import dense  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
+from profile_step import fill  # noqa: E402  (this script's folder)
 
 # The default model (and the draft trained for it) learned 256-byte windows and held out the corpus's
 # tail: its last modules' pydoc text is what the workloads are cut from, and every prompt plus its
@@ -115,9 +116,8 @@ def engines(args) -> dict[str, LLM]:
                             "disable_by_batch_size": args.disable_by_batch_size}
     out = {}
     for name, spec in methods.items():
-        llm = LLM(args.model, dtype="float32", engine_config=EngineConfig(
-            max_num_seqs=max(64, *args.batch), speculative_config={k: v for k, v in spec.items() if v is not None}
-            if spec else None))
+        llm = LLM(args.model, dtype="float32",
+                  engine_config=EngineConfig(max_num_seqs=max(64, *args.batch), speculative_config=spec))
         llm.generate([list(b"warm-up " * 4)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         out[name] = llm
     return out
@@ -204,10 +204,7 @@ def verify_cost(args) -> list[dict]:
     eng = Engine(args.model, EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 8}),
                  dtype="float32")
     vocab = eng.model_config.vocab_size
-    eng.add_request("r", [i * 7 % vocab for i in range(100)], SamplingParams(max_tokens=64, temperature=0.0,
-                                                                           ignore_eos=True))
-    while not eng.scheduler.running or eng.scheduler.running[0].num_uncomputed_tokens != 1:
-        eng.step()
+    fill(eng, 1, 100, 60, vocab)
     seq = eng.scheduler.running[0]
     eng.scheduler.blocks.grow(seq, seq.num_computed_tokens + 9)
 
