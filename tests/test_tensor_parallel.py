@@ -1,8 +1,9 @@
 """Tensor parallelism over Ray worker actors with gloo (model/engine/parallel/): LLM(model,
 tensor_parallel_size=2) gives the greedy tokens of TP=1 and its logits within 1e-5 (fp32), alone, in
 a batch of 16 and under preemption, for Llama with GQA (1 KV head for 2 ranks), Qwen3 (q/k norms)
-and Qwen2 (q/k/v biases, tied head), both with 2 KV heads, GPT-2 (fused c_attn, odd vocabulary) and
-the paper's Transformer with dot and additive attention; a killed worker is a WorkerDiedError from
+and Qwen2 (q/k/v biases, tied head), both with 2 KV heads, Llama with dynamic NTK and with LongRoPE
+(prompts past the original context), GPT-2 (fused c_attn, odd vocabulary) and the paper's
+Transformer with dot and additive attention; a killed worker is a WorkerDiedError from
 check_health and step.
 
 One local Ray for the module (run under `flock /tmp/qkv-ray.lock`); the workers take half a CPU each.
@@ -30,6 +31,8 @@ from model.engine.parallel import WorkerDiedError  # noqa: E402
 BLOCK = 8
 NUM_BLOCKS = 24  # the batch of 16 below needs about 40: it is preempted
 VOCAB = 258  # the smallest vocabulary of the checkpoints below
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.5 + 0.7 * i for i in range(8)]}
 
 MODELS = {
     "llama-gqa-kv1": lambda d: write_tiny_llama(d, "llama", num_key_value_heads=1, with_tokenizer=False),
@@ -40,6 +43,13 @@ MODELS = {
     "gpt2": lambda d: save_tiny_gpt2(d, n_head=2, vocab_size=301, with_tokenizer=False),
     "transformer-additive": lambda d: write_tiny_checkpoint(d, d_model=32, d_ff=64, max_position=128,
                                                             attention="additive"),
+    # Rotation by sequence length: the batch's prompts longer than 16 tokens are rotated as HF's
+    # prefill of them (AttnMetadata.rope_len, which the workers' step message carries).
+    "llama-dynamic-ntk": lambda d: write_tiny_llama(d, "llama", num_key_value_heads=2, with_tokenizer=False,
+                                                    rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+                                                    max_position_embeddings=16),
+    "llama-longrope": lambda d: write_tiny_llama(d, "llama", num_key_value_heads=2, with_tokenizer=False,
+                                                 rope_scaling=LONGROPE, max_position_embeddings=64),
     # A random preset: each rank draws the seeded tensors one at a time and keeps its slices.
     "transformer-dot-preset": lambda d: "transformer-draft-small",
 }
@@ -179,16 +189,6 @@ def test_bad_tensor_parallel_size_names_the_field(tp: int, field: str, tmp_path)
     directory = str(write_tiny_llama(tmp_path / "m", "llama", num_key_value_heads=2, with_tokenizer=False))
     with pytest.raises(ValueError, match=f"tensor_parallel_size \\({tp}\\).*{field}"):
         LLM(directory, device="cpu", dtype="float32", tensor_parallel_size=tp)
-
-
-def test_a_length_dependent_rope_is_refused_not_rotated_differently(tmp_path) -> None:
-    """Dynamic NTK rotates a long prompt by its length (AttnMetadata.rope_len), which the workers'
-    step message does not carry: such a model is refused before any worker starts."""
-    directory = str(write_tiny_llama(tmp_path / "m", "llama", num_key_value_heads=2, with_tokenizer=False,
-                                     rope_scaling={"rope_type": "dynamic", "factor": 2.0},
-                                     max_position_embeddings=32))
-    with pytest.raises(ValueError, match="rope_scaling type 'dynamic'"):
-        LLM(directory, device="cpu", dtype="float32", tensor_parallel_size=2)
 
 
 def test_bad_parallel_arguments() -> None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from model.engine.scheduler import ScheduledSeq
-from model.engine.sequence import TokenLogprob
+from model.engine.sequence import Sequence, TokenLogprob
 from model.layers.flex_attention import FlexPagedAttention, flex_supported
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.layers.lora import LoraBatch, LoraState
@@ -49,6 +50,98 @@ def choose_backend(name: str, device: torch.device, block_size: int) -> str:
     if name not in ("gather", "fused", "flex"):
         raise ValueError(f"attention_backend must be auto, gather, fused or flex; got {name!r}")
     return name
+
+
+@dataclass
+class FlatStep:
+    """One step's flat batch as plain lists: what the single-device runner turns into tensors and
+    what a tensor-parallel driver sends each of its workers (which turn it into the same tensors).
+
+    Decode tokens (one per sequence) come first, then each prefill chunk contiguously."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # flat cache row of each token
+    num_decode: int = 0
+    decode_tables: list[list[int]] = field(default_factory=list)  # (B_d, width), padded with 0
+    decode_lens: list[int] = field(default_factory=list)  # context length, the new token included
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # start, length, context, table
+    rope_len: list[int] | None = None  # per row (AttnMetadata.rope_len); None: every row by position
+    logit_rows: list[int] = field(default_factory=list)  # tensor parallelism: flat rows whose logits come back
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+        """tokens (T,), positions (T,) and the step's metadata (kernels not set) on `device`."""
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        meta = AttnMetadata(slot_mapping=tensor(self.slots), num_decode=self.num_decode)
+        if self.num_decode:
+            meta.decode_block_tables = tensor(self.decode_tables)  # (B, width)
+            meta.decode_context_lens = tensor(self.decode_lens)  # (B,)
+            meta.decode_max_context = max(self.decode_lens)
+        for start, length, context, table in self.prefills:
+            meta.prefills.append(PrefillChunk(start, length, context, tensor(table)))
+        if self.rope_len is not None:
+            meta.rope_len = tensor(self.rope_len)
+        return tensor(self.tokens), tensor(self.positions), meta
+
+
+def flatten(batch: list[ScheduledSeq], block_size: int) -> tuple[FlatStep, list[tuple[ScheduledSeq, int]], list[int]]:
+    """The step's flat batch; each scheduled sequence with the flat index of its first token (in
+    flat order: decode, then prefill); and the flat index of the last token of each sequence that
+    samples this step (in `batch` order)."""
+    decode, prefill = _split(batch)
+    step = FlatStep(num_decode=len(decode))
+    spans: list[tuple[ScheduledSeq, int]] = []
+    last: dict[int, int] = {}  # id(ScheduledSeq) -> flat index of its last token
+    for s in decode + prefill:
+        start, n, table = s.seq.num_computed_tokens, s.num_new_tokens, s.seq.block_table
+        ids = s.seq.token_ids + s.spec if s.spec else s.seq.token_ids  # proposals: verified after the last token
+        spans.append((s, len(step.tokens)))
+        step.tokens.extend(ids[start:start + n])
+        step.positions.extend(range(start, start + n))
+        step.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        last[id(s)] = len(step.tokens) - 1
+    if decode:
+        width = max(len(s.seq.block_table) for s in decode)
+        step.decode_tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decode]
+        step.decode_lens = [s.seq.num_computed_tokens + 1 for s in decode]
+    for s, first in spans[len(decode):]:
+        step.prefills.append((first, s.num_new_tokens, s.seq.num_computed_tokens + s.num_new_tokens,
+                              list(s.seq.block_table)))
+    # RoPE lengths of sequences rotated as longer ones; a decode-only step needs none (such a
+    # sequence decodes past that length, the same by position), so it can replay a decode graph.
+    if any(s.seq.rope_len for s in prefill):
+        step.rope_len = [s.seq.rope_len for s, _ in spans for _ in range(s.num_new_tokens)]
+    return step, spans, [last[id(s)] for s in batch if s.samples]
+
+
+def extra_logit_spans(spans: list[tuple[ScheduledSeq, int]], prompt_logprobs: dict | None, spec_logits: dict | None
+                      ) -> list[tuple[Sequence, str, int, int]]:
+    """The logits rows a step needs beyond its sampling rows: (seq, "spec" | "prompt", first flat
+    row, count): a speculating sequence's 1 + k positions when `spec_logits` is asked for, and the
+    positions of this chunk that predict a prompt token when `prompt_logprobs` is asked for and the
+    sequence's params want them."""
+    out = []
+    for s, first in spans:
+        seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+        if s.spec and spec_logits is not None:
+            out.append((seq, "spec", first, n))
+        stop = min(start + n, seq.num_prompt_tokens - 1)  # positions that predict a prompt token
+        if prompt_logprobs is not None and seq.params.prompt_logprobs is not None and start < stop:
+            out.append((seq, "prompt", first, stop - start))
+    return out
+
+
+def deliver_logits(seq: Sequence, kind: str, logits: torch.Tensor, prompt_logprobs: dict | None,
+                   spec_logits: dict | None) -> None:
+    """Put one `extra_logit_spans` entry's logits (count, vocab) where the engine reads them."""
+    if kind == "spec":
+        spec_logits[seq.request_id] = logits  # (1 + k, vocab)
+        return
+    start = seq.num_computed_tokens
+    targets = seq.prompt_token_ids[start + 1:start + 1 + logits.shape[0]]
+    prompt_logprobs[seq.request_id] = prompt_token_logprobs(logits, targets, seq.params.prompt_logprobs)
 
 
 class ModelRunner:
@@ -94,56 +187,22 @@ class ModelRunner:
             meta.decode_kernel, meta.prefill_kernel = self.flex.decode, self.flex.prefill
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int]]:
-        """Flatten the batch: decode tokens (one per sequence) first, then prefill chunks.
+        """Flatten the batch (`flatten`): decode tokens (one per sequence) first, then prefill chunks.
 
         Returns tokens (T,), positions (T,), metadata, and the flat index of the last token
         of each sequence that samples this step (in `batch` order).
         """
-        decode, prefill = _split(batch)
-        tokens: list[int] = []
-        positions: list[int] = []
-        where: dict[int, int] = {}  # id(ScheduledSeq) -> flat index of its last token
-        for s in decode + prefill:
-            start = s.seq.num_computed_tokens
-            ids = s.seq.token_ids + s.spec if s.spec else s.seq.token_ids  # proposals: verified after the last token
-            tokens.extend(ids[start:start + s.num_new_tokens])
-            positions.extend(range(start, start + s.num_new_tokens))
-            where[id(s)] = len(tokens) - 1
-        pos = torch.tensor(positions, dtype=torch.long)
-        meta = AttnMetadata(slot_mapping=self._slots(decode + prefill, pos), num_decode=len(decode))
+        tokens, positions, meta, sample_idx, _ = self._prepare(batch)
+        return tokens, positions, meta, sample_idx
+
+    def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int],
+                                                           list[tuple[ScheduledSeq, int]]]:
+        flat, spans, sample_idx = flatten(batch, self.block_size)
+        tokens, positions, meta = flat.tensors(self.device)
         self.set_kernels(meta)
         if self.lora is not None:  # each flat row's adapter slot (-1: the base model)
-            meta.lora = LoraBatch.of([s.seq.lora_slot for s in decode + prefill for _ in range(s.num_new_tokens)],
-                                     self.device)
-        # RoPE lengths of sequences rotated as longer ones; a decode-only step needs none (such a
-        # sequence decodes past that length, the same by position), so it can replay a decode graph.
-        if any(s.seq.rope_len for s in prefill):
-            meta.rope_len = torch.tensor([s.seq.rope_len for s in decode + prefill for _ in range(s.num_new_tokens)],
-                                         dtype=torch.long, device=self.device)
-        if decode:
-            self._decode_meta(meta, decode)
-        offset = len(decode)
-        for s in prefill:
-            ctx = s.seq.num_computed_tokens + s.num_new_tokens
-            table = torch.tensor(s.seq.block_table, dtype=torch.long, device=self.device)
-            meta.prefills.append(PrefillChunk(offset, s.num_new_tokens, ctx, table))
-            offset += s.num_new_tokens
-        sample_idx = [where[id(s)] for s in batch if s.samples]
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), pos.to(self.device), meta, sample_idx
-
-    def _slots(self, seqs: list[ScheduledSeq], pos: torch.Tensor) -> torch.Tensor:
-        """Flat cache row of each token: block_table[p // block_size] * block_size + p % block_size."""
-        tables = [t for s in seqs for t in [s.seq.block_table] * s.num_new_tokens]
-        blocks = torch.tensor([t[p] for t, p in zip(tables, (pos // self.block_size).tolist())], dtype=torch.long)
-        return (blocks * self.block_size + pos % self.block_size).to(self.device)
-
-    def _decode_meta(self, meta: AttnMetadata, decode: list[ScheduledSeq]) -> None:
-        width = max(len(s.seq.block_table) for s in decode)
-        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decode]
-        lens = [s.seq.num_computed_tokens + 1 for s in decode]
-        meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)  # (B, width)
-        meta.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)  # (B,)
-        meta.decode_max_context = max(lens)
+            meta.lora = LoraBatch.of([s.seq.lora_slot for s, _ in spans for _ in range(s.num_new_tokens)], self.device)
+        return tokens, positions, meta, sample_idx, spans
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], rows: list[SamplingRow],
@@ -156,35 +215,19 @@ class ModelRunner:
         the logprobs of the prompt tokens this chunk's positions predict (in position order).
         Speculating sequences (`ScheduledSeq.spec`) get the logits (1 + k, vocab) of each of their
         positions in `spec_logits[request_id]`, through the same per-chunk path."""
-        tokens, positions, meta, sample_idx = self.prepare(batch)
+        tokens, positions, meta, sample_idx, spans = self._prepare(batch)
         with contextlib.nullcontext() if self.lora is None else self.lora.use(meta.lora):
             # LoRA rows decode eagerly: their grouping by adapter changes from step to step.
             if self.graphs is not None and prompt_logprobs is None and meta.lora is None and self.graphs.takes(meta):
                 hidden = self.graphs.run(tokens, positions, meta)  # (B, d_model)
             else:
                 hidden = self.model(tokens, positions, meta, self.cache)  # (T, d_model)
-        if prompt_logprobs is not None or spec_logits is not None:
-            self._prompt_logprobs(batch, hidden, prompt_logprobs, spec_logits)
+        for seq, kind, first, n in extra_logit_spans(spans, prompt_logprobs, spec_logits):
+            deliver_logits(seq, kind, self.model.compute_logits(hidden[first:first + n]), prompt_logprobs, spec_logits)
         if not sample_idx:
             return [], []
         logits = self.model.compute_logits(hidden[sample_idx])  # (B_s, vocab)
         return sample(logits, rows)
-
-    def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor,
-                         out: dict[str, list[TokenLogprob]] | None,
-                         spec_out: dict[str, torch.Tensor] | None = None) -> None:
-        decode, prefill = _split(batch)  # the flat layout prepare() built
-        flat = 0
-        for s in decode + prefill:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            if s.spec and spec_out is not None:
-                spec_out[seq.request_id] = self.model.compute_logits(hidden[flat:flat + n])  # (1 + k, vocab)
-            stop = min(start + n, seq.num_prompt_tokens - 1)  # positions that predict a prompt token
-            if out is not None and seq.params.prompt_logprobs is not None and start < stop:
-                logits = self.model.compute_logits(hidden[flat:flat + stop - start])  # (P, vocab)
-                targets = seq.prompt_token_ids[start + 1:stop + 1]
-                out[seq.request_id] = prompt_token_logprobs(logits, targets, seq.params.prompt_logprobs)
-            flat += n
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

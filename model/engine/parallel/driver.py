@@ -1,7 +1,7 @@
 """The engine's runner under tensor parallelism: one Ray actor per rank, the driver holds no weights.
 
-Per step the driver flattens the scheduled batch (as `ModelRunner.prepare` does) into one
-`StepInput`, put once into Ray's object store and passed to every worker; rank 0 answers the
+Per step the driver flattens the scheduled batch (`runner.flatten`, as `ModelRunner.prepare` does)
+into one `FlatStep`, put once into Ray's object store and passed to every worker; rank 0 answers the
 logits rows the step needs (the sampling rows, then prompt-logprob and speculative rows), and
 the driver samples. No per-layer traffic goes through Ray: the all-reduces run between the
 workers over torch.distributed (gloo on the CPU, NCCL on CUDA).
@@ -28,14 +28,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from model.config import PRESETS, EngineConfig, ModelConfig
 from model.engine.parallel.errors import WorkerDiedError
 from model.engine.parallel.sharding import check_shardable
-from model.engine.parallel.worker import StepInput, StepOutput, TensorParallelWorker, WorkerSetup
-from model.engine.runner import _split
+from model.engine.parallel.worker import StepOutput, TensorParallelWorker, WorkerSetup
+from model.engine.runner import FlatStep, deliver_logits, extra_logit_spans, flatten
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import TokenLogprob
 from model.loading.checkpoint import load_config
 from model.loading.generation_config import GenerationConfig, load_generation_config
 from model.loading.tokenizer import Tokenizer, load_tokenizer
-from model.sampling.sampler import SamplingRow, prompt_token_logprobs, sample
+from model.sampling.sampler import SamplingRow, sample
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +161,7 @@ class TensorParallelRunner:
             return [], []
         logits = logits.to(self.device)
         for seq, kind, first, n in extra:
-            part = logits[first:first + n]
-            if kind == "spec":
-                spec_logits[seq.request_id] = part  # (1 + k, vocab)
-            else:
-                start_pos = seq.num_computed_tokens
-                targets = seq.prompt_token_ids[start_pos + 1:start_pos + n + 1]
-                prompt_logprobs[seq.request_id] = prompt_token_logprobs(part, targets, seq.params.prompt_logprobs)
+            deliver_logits(seq, kind, logits[first:first + n], prompt_logprobs, spec_logits)
         if not sample_idx:
             return [], []
         return sample(logits[: len(sample_idx)], rows)
@@ -182,42 +176,16 @@ class TensorParallelRunner:
         s.round_trip_seconds += max(0.0, wall - slowest)
 
     def _prepare(self, batch: list[ScheduledSeq], prompt_logprobs: dict | None, spec_logits: dict | None
-                 ) -> tuple[StepInput, list[int], list[tuple]]:
-        """The step's message, the flat rows that sample (in `batch` order), and the extra logits
-        rows asked for: (seq, "spec" | "prompt", first row in the answer, count)."""
-        decode, prefill = _split(batch)
-        msg = StepInput([], [], [], num_decode=len(decode))
-        where: dict[int, int] = {}
-        spans: list[tuple[ScheduledSeq, int]] = []
-        bs = self.block_size
-        for s in decode + prefill:
-            start, n = s.seq.num_computed_tokens, s.num_new_tokens
-            ids = s.seq.token_ids + s.spec if s.spec else s.seq.token_ids
-            spans.append((s, len(msg.tokens)))
-            msg.tokens.extend(ids[start:start + n])
-            msg.positions.extend(range(start, start + n))
-            table = s.seq.block_table
-            msg.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            where[id(s)] = len(msg.tokens) - 1
-        if decode:
-            width = max(len(s.seq.block_table) for s in decode)
-            msg.decode_tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decode]
-            msg.decode_lens = [s.seq.num_computed_tokens + 1 for s in decode]
-        for s, flat in spans[len(decode):]:
-            msg.prefills.append((flat, s.num_new_tokens, s.seq.num_computed_tokens + s.num_new_tokens,
-                                 list(s.seq.block_table)))
-        sample_idx = [where[id(s)] for s in batch if s.samples]
+                 ) -> tuple[FlatStep, list[int], list[tuple]]:
+        """The step's message (`flatten`'s, as the single-device runner builds it), the flat rows
+        that sample (in `batch` order), and the extra logits rows asked for (`extra_logit_spans`,
+        with the first row of each in the answer instead of the flat one)."""
+        msg, spans, sample_idx = flatten(batch, self.block_size)
         msg.logit_rows = list(sample_idx)
         extra = []
-        for s, flat in spans:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            if s.spec and spec_logits is not None:
-                extra.append((seq, "spec", len(msg.logit_rows), n))
-                msg.logit_rows.extend(range(flat, flat + n))
-            stop = min(start + n, seq.num_prompt_tokens - 1)
-            if prompt_logprobs is not None and seq.params.prompt_logprobs is not None and start < stop:
-                extra.append((seq, "prompt", len(msg.logit_rows), stop - start))
-                msg.logit_rows.extend(range(flat, flat + stop - start))
+        for seq, kind, first, n in extra_logit_spans(spans, prompt_logprobs, spec_logits):
+            extra.append((seq, kind, len(msg.logit_rows), n))
+            msg.logit_rows.extend(range(first, first + n))
         return msg, sample_idx, extra
 
 

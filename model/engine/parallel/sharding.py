@@ -43,11 +43,6 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
     if cfg.arch not in SHARDABLE_ARCHS:
         raise ValueError(f"tensor_parallel_size > 1 supports the archs {', '.join(SHARDABLE_ARCHS)}; "
                          f"this model is {cfg.arch!r} (MoE, Gemma and Phi-3 are not sharded yet)")
-    if cfg.rope_scaling is not None and cfg.rope_scaling.kind in ("dynamic", "longrope"):
-        # Their rotation depends on a sequence's length (AttnMetadata.rope_len), which the step
-        # message to the workers does not carry yet: refused rather than rotated differently.
-        raise ValueError(f"tensor_parallel_size > 1 does not support rope_scaling type {cfg.rope_scaling.kind!r} "
-                         "yet (dynamic NTK and LongRoPE rotate by sequence length)")
     if cfg.n_heads % world:
         raise ValueError(f"tensor_parallel_size ({world}) must divide the number of attention heads "
                          f"(num_attention_heads = {cfg.n_heads})")

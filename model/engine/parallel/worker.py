@@ -1,6 +1,6 @@
 """One tensor-parallel rank: a Ray actor holding its shard of the model and a KV cache of its heads.
 
-The driver (`driver.py`) sends every rank the same `StepInput` per step; each rank runs the forward
+The driver (`driver.py`) sends every rank the same `FlatStep` (runner.py) per step; each rank runs the forward
 pass (its all-reduces meet the other ranks' inside it) and, when rows of logits are asked for,
 its vocabulary slice of them, gathered at rank 0, which returns them in its `StepOutput`.
 """
@@ -12,31 +12,17 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from model.config import ModelConfig
 from model.engine.parallel.sharding import Collectives, build_shard, kv_heads_of
-from model.engine.runner import ModelRunner
-from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
+from model.engine.runner import FlatStep, ModelRunner
+from model.layers.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInput:
-    """One step's flat batch (decode tokens first, then prefill chunks), as plain lists."""
-
-    tokens: list[int]
-    positions: list[int]
-    slots: list[int]  # flat cache row of each token
-    num_decode: int = 0
-    decode_tables: list[list[int]] = field(default_factory=list)  # (B_d, width), padded with 0
-    decode_lens: list[int] = field(default_factory=list)  # context length, the new token included
-    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # start, length, context, table
-    logit_rows: list[int] = field(default_factory=list)  # flat rows whose logits come back
 
 
 @dataclass
@@ -113,29 +99,18 @@ class TensorParallelWorker:
         return os.getpid()
 
     @torch.inference_mode()
-    def step(self, msg: StepInput) -> StepOutput:
+    def step(self, msg: FlatStep) -> StepOutput:
         start = time.perf_counter()
         self.comm.reset()
-        dev = self.device
-
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        meta = AttnMetadata(slot_mapping=tensor(msg.slots), num_decode=msg.num_decode)
+        tokens, positions, meta = msg.tensors(self.device)
         self.runner.set_kernels(meta)
-        if msg.num_decode:
-            meta.decode_block_tables = tensor(msg.decode_tables)  # (B, width)
-            meta.decode_context_lens = tensor(msg.decode_lens)  # (B,)
-            meta.decode_max_context = max(msg.decode_lens)
-        for chunk_start, length, context, table in msg.prefills:
-            meta.prefills.append(PrefillChunk(chunk_start, length, context, tensor(table)))
-        hidden = self.model(tensor(msg.tokens), tensor(msg.positions), meta, self.runner.cache)  # (T, d_model)
+        hidden = self.model(tokens, positions, meta, self.runner.cache)  # (T, d_model)
         logits = None
         if msg.logit_rows:
             local = self.model.compute_logits(hidden[msg.logit_rows])  # (N, vocab / world)
             logits = self.comm.gather_logits(local, self.vocab)
             if logits is not None:
                 logits = logits.cpu()
-        if dev.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
         return StepOutput(logits, time.perf_counter() - start, self.comm.seconds, self.comm.calls)
