@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 

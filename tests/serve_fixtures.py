@@ -8,11 +8,12 @@ default 8000/8265/6379 of a developer's own cluster.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,11 +89,47 @@ def serve_on_local_ray(app_args: dict[str, Any], http_port: int, dashboard_port:
             ray.shutdown()
 
 
-def _healthy(url: str) -> bool:
+def health_status(url: str) -> int | None:
+    """The status code of `url`/health; None when nothing answers."""
     try:
-        return requests.get(f"{url}/health", timeout=5).status_code == 200
+        return requests.get(f"{url}/health", timeout=10).status_code
     except requests.RequestException:
-        return False
+        return None
+
+
+def _healthy(url: str) -> bool:
+    return health_status(url) == 200
+
+
+def sse_payloads(lines: Iterable[str]) -> list[Any]:
+    """The `data:` payloads of a server-sent-event stream's lines: parsed JSON, and "[DONE]"."""
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def read_rayservice(name: str) -> tuple[dict[str, Any], Any, dict[str, Any], dict[str, Any]]:
+    """deploy/`name`, checked as a KubeRay RayService whose serveConfigV2 is a valid Serve config of
+    one qkv-serve app with valid arguments and whose cluster has token auth and one worker group of
+    one container: (the document, the app's AppArgs, the rayClusterConfig, the worker container)."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.app import AppArgs
+
+    doc = yaml.safe_load((REPO / "deploy" / name).read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayService")
+    config = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+    (app,) = config.applications
+    assert app.import_path == "service.app:build_app"
+    cluster = doc["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    (workers,) = cluster["workerGroupSpecs"]
+    (container,) = workers["template"]["spec"]["containers"]
+    return doc, AppArgs.model_validate(app.args), cluster, container
 
 
 def send_completion(url: str, prompt: str, max_tokens: int, stream: bool = True,

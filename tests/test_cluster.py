@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,8 @@ import pytest
 import requests
 import yaml
 
-from serve_fixtures import REPO, metric_sum, scrape, send_concurrently, wait_until, write_tiny_model
+from serve_fixtures import REPO, metric_sum, read_rayservice, scrape, send_concurrently, wait_until, \
+    write_tiny_model
 
 GCS_PORT, DASHBOARD_PORT, HEAD_METRICS_PORT, WORKER_METRICS_PORT, HTTP_PORT = 18900, 18901, 18902, 18903, 18904
 HEAD_AGENT_PORT, WORKER_AGENT_PORT, CLIENT_SERVER_PORT = 18905, 18906, 18907
@@ -247,23 +247,11 @@ def test_both_nodes_serve_and_their_metrics_add_up_to_the_traffic(cluster: tuple
 
 
 def test_rayservice_carries_a_valid_serve_config_gpu_workers_and_token_auth() -> None:
-    from ray.serve.schema import ServeDeploySchema
-
-    from service.app import AppArgs
-
-    doc = yaml.safe_load((REPO / "deploy" / "rayservice.yaml").read_text())
-    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayService")
-    config = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
-    (app,) = config.applications
-    assert app.import_path == "service.app:build_app"
-    args = AppArgs.model_validate(app.args)
+    _, args, cluster, container = read_rayservice("rayservice.yaml")
     assert args.accelerator == "auto" and args.autoscaling_config is not None
-    cluster = doc["spec"]["rayClusterConfig"]
-    assert cluster["authOptions"] == {"mode": "token"}
     version = tuple(int(x) for x in cluster["rayVersion"].split("."))
     assert version >= (2, 52, 0), "KubeRay's token auth needs Ray >= 2.52"
     (workers,) = cluster["workerGroupSpecs"]
-    (container,) = workers["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     from service.launch import SERVING_ENV
 

@@ -98,7 +98,7 @@ def test_eviction_is_lru_and_takes_the_tail_of_a_chain_first() -> None:
     assert s.blocks.num_cached == 4 and s.blocks.num_free == 6
     # Needs 5 blocks: the 2 plain free ones, then the old chain's tail, then its head, then new's tail.
     big = seq("big", list(range(300, 317)))
-    old_head, old_tail = old_blocks = [s.blocks._cached[h] for h in old.block_hashes]
+    old_head, old_tail = [s.blocks._cached[h] for h in old.block_hashes]
     new_head, new_tail = [s.blocks._cached[h] for h in new.block_hashes]
     prefill(s, big)
     assert big.block_table[2:5] == [old_tail, old_head, new_tail]

@@ -24,7 +24,7 @@ import pytest
 import ray
 from ray import serve
 
-from serve_fixtures import REPO, wait_until
+from serve_fixtures import REPO, health_status, sse_payloads, wait_until
 from local_serve import local_service, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     # non-streamed request once got a closed connection instead of a 5xx (not understood yet).
     with local_service(args, HTTP_PORT, num_cpus=2, step_fault_marker=FAULT_MARKER,
                        step_stall_marker=STALL_MARKER) as url:
-        wait_until(lambda: _health(url) == 200, 60, "the service to be healthy")
+        wait_until(lambda: health_status(url) == 200, 60, "the service to be healthy")
         yield url, ckpt
 
 
@@ -78,13 +78,6 @@ def http(base_url: str) -> Iterator[httpx.Client]:
 # ---- helpers --------------------------------------------------------------------------------
 
 
-def _health(url: str) -> int | None:
-    try:
-        return httpx.get(f"{url}/health", timeout=10).status_code
-    except httpx.HTTPError:
-        return None
-
-
 def _stats() -> dict[str, Any]:
     handle = serve.get_deployment_handle("EngineDeployment", app_name="qkv")
     return handle.engine_stats.remote().result(timeout_s=30)
@@ -98,16 +91,6 @@ def _idle() -> bool:
 def _engine_replicas() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith(REPLICA_PREFIX)}
-
-
-def _events(resp: httpx.Response) -> list[Any]:
-    """The `data:` payloads of an SSE response: dicts, and "[DONE]"."""
-    out: list[Any] = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def _assert_clean(text: str) -> None:
@@ -144,7 +127,7 @@ def _assert_stream_error(events: list[Any], code: str | None = None) -> dict[str
 def _stream_events(base_url: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
     with httpx.Client(base_url=base_url, headers=AUTH, timeout=CLIENT_TIMEOUT_S) as client, \
             client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
-        return r.status_code, _events(r)
+        return r.status_code, sse_payloads(r.iter_lines())
 
 
 def _post(base_url: str, body: dict[str, Any]) -> httpx.Response:
@@ -313,8 +296,8 @@ def test_an_engine_step_exception_errors_the_batch_and_the_replica_is_replaced(h
     _assert_error(r, 503)
     assert status == 200
     _assert_stream_error(events)
-    wait_until(lambda: _health(base_url) == 503, 30, "/health to report the dead engine")
-    wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "a replacement replica")
+    wait_until(lambda: health_status(base_url) == 503, 30, "/health to report the dead engine")
+    wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "a replacement replica")
     after = _engine_replicas()
     assert after and after.isdisjoint(before), (before, after)
     _serves(http)
@@ -326,11 +309,11 @@ def test_a_stalled_engine_step_fails_health_and_its_requests_and_the_replica_is_
     with ThreadPoolExecutor(2) as pool:
         streamed = pool.submit(_stream_events, base_url, LONG)
         wait_until(lambda: _stats()["num_running"] == 1, 30, "a request in the batch")
-        assert _health(base_url) == 200  # a busy engine is not a stalled one
+        assert health_status(base_url) == 200  # a busy engine is not a stalled one
         marked = pool.submit(_post, base_url, {"prompt": f"{STALL_MARKER} go", "max_tokens": 4})
         # The next step never returns; the loop thread lives on. Both the HTTP check and
         # Serve's check_health apply the same rule: no progress for STALL_TIMEOUT_S.
-        wait_until(lambda: _health(base_url) == 503, STALL_TIMEOUT_S + STALL_DETECT_S, "/health to report the stall")
+        wait_until(lambda: health_status(base_url) == 503, STALL_TIMEOUT_S + STALL_DETECT_S, "/health to report the stall")
         status, events = streamed.result()
         r = marked.result()
     error = _assert_error(r, 503)
@@ -339,7 +322,7 @@ def test_a_stalled_engine_step_fails_health_and_its_requests_and_the_replica_is_
     _assert_stream_error(events)
     wait_until(lambda: (after := _engine_replicas()) and after.isdisjoint(before), RECOVERY_S,
                "Serve to replace the stalled replica (its check_health fails)")
-    wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "the service to answer again")
+    wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
     _serves(http)
 
 
@@ -376,7 +359,7 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
             assert status == 200 and "[DONE]" not in events, events[-3:]
             assert not any(isinstance(e, dict) and any(c.get("finish_reason") for c in e.get("choices", []))
                            for e in events), "a request that was cut off reported a finish"
-    wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "the service to answer again")
+    wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
     replacements = _engine_replicas()
     assert replacements and victim not in replacements
     _serves(http)

@@ -11,7 +11,6 @@ answers again within RECOVERY_S.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from pydantic import ValidationError
 
-from serve_fixtures import REPO
+from serve_fixtures import health_status, read_rayservice, sse_payloads
 from service.app import AppArgs, compose_app
 from service.placement import engine_device, replica_resources, warn_if_unplaceable
 from tiny_models import torch_threads
@@ -104,21 +102,10 @@ def test_a_group_larger_than_the_cluster_is_named_at_build_time() -> None:
 
 
 def test_rayservice_tp_example_validates_and_fits_its_worker_pods() -> None:
-    from ray.serve.schema import ServeDeploySchema
-
     from service.launch import SERVING_ENV
 
-    doc = yaml.safe_load((REPO / "deploy" / "rayservice-tp.yaml").read_text())
-    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayService")
-    config = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
-    (app,) = config.applications
-    assert app.import_path == "service.app:build_app"
-    args = AppArgs.model_validate(app.args)
+    _, args, _, container = read_rayservice("rayservice-tp.yaml")
     assert args.tensor_parallel_size >= 2 and args.accelerator == "auto"
-    cluster = doc["spec"]["rayClusterConfig"]
-    assert cluster["authOptions"] == {"mode": "token"}
-    (workers,) = cluster["workerGroupSpecs"]
-    (container,) = workers["template"]["spec"]["containers"]
     assert {e["name"]: e["value"] for e in container["env"]} == SERVING_ENV
     limits = container["resources"]["limits"]
     # PACK puts one replica's whole group on one pod when it fits: the pod holds every bundle
@@ -150,13 +137,6 @@ def base_url(checkpoint: Path) -> Iterator[str]:
     # dashboard serves Ray's state API
     with serve_on_local_ray(args, HTTP_PORT, DASHBOARD_PORT, METRICS_PORT, num_cpus=3) as (url, _):
         yield url
-
-
-def _health(url: str) -> int | None:
-    try:
-        return httpx.get(f"{url}/health", timeout=10).status_code
-    except httpx.HTTPError:
-        return None
 
 
 def _group() -> tuple[str, list[dict[str, Any]], list[str]] | None:
@@ -206,13 +186,8 @@ def _assert_503(r: httpx.Response) -> None:
 
 def _long_stream(url: str) -> tuple[int, list[Any]]:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
-    events: list[Any] = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
-        return r.status_code, events
+        return r.status_code, sse_payloads(r.iter_lines())
 
 
 def _replaced(before: str) -> tuple[str, list[dict[str, Any]], list[str]] | None:
@@ -274,7 +249,7 @@ def test_a_worker_killed_mid_request_gives_503s_and_a_new_group(base_url: str, c
     new_id, _, new_workers = wait_until(lambda: _replaced(group_id), RECOVERY_S, "a new replica with a new group")
     assert set(new_workers).isdisjoint(workers)
     wait_until(lambda: _dead(workers), 30, "the old group's workers to be gone (no leaked actors)")
-    wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "the service to answer again")
+    wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
     r = _completion(base_url, "The cat")
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _greedy(_reference(checkpoint), "The cat")
 
@@ -284,13 +259,13 @@ def test_a_worker_dead_while_idle_fails_check_health_and_the_replica_is_replaced
     from serve_fixtures import wait_until
 
     group_id, _, workers = wait_until(_group, RECOVERY_S, "the placement group and its two workers")
-    wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "the service to be healthy")
+    wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to be healthy")
     _kill(workers[1])
     # no request runs a step: only the replica's check of its workers can notice
-    wait_until(lambda: _health(base_url) == 503, DETECT_S, "/health to report the dead worker")
+    wait_until(lambda: health_status(base_url) == 503, DETECT_S, "/health to report the dead worker")
     new_id, _, new_workers = wait_until(lambda: _replaced(group_id), RECOVERY_S, "a new replica with a new group")
     assert set(new_workers).isdisjoint(workers)
-    wait_until(lambda: _health(base_url) == 200, RECOVERY_S, "the service to answer again")
+    wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
     assert _completion(base_url, "The cat").status_code == 200
     wait_until(lambda: _dead(workers), 30, "the old group's workers to be gone")
 

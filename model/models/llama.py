@@ -12,7 +12,6 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
