@@ -19,7 +19,8 @@ requests in flight (closed loop; 1, 16 and 32 clients by default).
   prefix router, and without HAProxy Serve's Python proxy; the old layout's ingress replica);
   Ray's own daemons (GCS, raylet, controller, dashboard), the HAProxy manager and, with
   HAProxy, the idle fallback proxy are shown apart, and so are the clients (this process),
-  which share the machine's cores with the service but not with the bare engine.
+  which share the machine's cores with the service but not with the bare engine. The bare
+  engine's whole process is measured the same way, to set beside the service's engine step.
 Both sides use the same torch thread count. Ray Serve's settings come from
 `service.launch.SERVING_ENV` (HAProxy by default) with `--env KEY=VALUE` on top, e.g.
 `--env RAY_SERVE_ENABLE_HA_PROXY=0` for Serve's Python proxy. With `--rounds N` the whole run
@@ -103,7 +104,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int], 
     ttft, itl, last, produced = [], [], {}, 0
     first: dict[str, float] = {}
     tpots: list[float] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), psutil.Process().cpu_times()
     in_flight = 0
     while pending or in_flight:
         while pending and in_flight < concurrency:
@@ -124,11 +125,14 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int], 
                 in_flight -= 1
                 if out.num_output_tokens > 1:
                     tpots.append((last[out.request_id] - first[out.request_id]) / (out.num_output_tokens - 1))
-    secs = time.perf_counter() - t0
+    secs, cpu1 = time.perf_counter() - t0, psutil.Process().cpu_times()
     assert produced == sum(max_tokens), "the engine did not produce every requested token"
+    # the whole worker process (its step and torch's threads, Ray's few): to set beside the service's `engine step`
+    cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     return {"seconds": secs, "output_tokens": produced, "tokens_per_s": produced / secs,
             "requests_per_s": len(prompts) / secs, "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
-            "tpot_s": percentiles(tpots)}
+            "tpot_s": percentiles(tpots),
+            "cpu": {"cpu_s": cpu_s, "ms_per_token": cpu_s * 1e3 / produced, "core_share": cpu_s / secs}}
 
 
 class BareEngine:
@@ -291,6 +295,10 @@ def report(res: dict[str, Any]) -> None:
         cpu = row["service"]["cpu"]
         cells = [f"{cpu[n]['ms_per_token']:.3f} ({cpu[n]['core_share']:.0%})" if n in cpu else "" for n in names]
         print(f"| {row['model']} | {row['concurrency']} | " + " | ".join(cells) + " |")
+    print("\nThe bare engine's process over its run (ms/token, share of one core):")
+    for row in res["table"]:
+        cpu = row["engine"]["cpu"]
+        print(f"| {row['model']} | {row['concurrency']} | {cpu['ms_per_token']:.3f} ({cpu['core_share']:.0%}) |")
 
 
 def bench_model(name: str, args: argparse.Namespace, res: dict[str, Any]) -> None:
