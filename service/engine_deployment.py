@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -39,7 +40,7 @@ from model.engine.sequence import RequestOutput
 from service.api import API_KEY_ENV, IngressSettings, build_api
 from service.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from service.engine_call import OverloadPolicy
-from service.engine_loop import EngineFailure, EngineLoop, SubRequest, _Sink
+from service.engine_loop import EngineFailure, EngineLoop, SubRequest, TorchThread, _Sink
 from service.metrics import EngineMetrics
 from service.model_info import ModelInfo
 from service.openai.serving import OpenAIServing
@@ -148,7 +149,7 @@ class EngineHost:
     read its streams."""
 
     def __init__(self, engine: Any, served_model_name: str, stall_timeout_s: float = 60.0,
-                 metrics: Any = None, stream_interval_s: float = 0.0) -> None:
+                 metrics: Any = None, stream_interval_s: float = 0.0, torch_thread: TorchThread | None = None) -> None:
         self.engine = engine
         self.stream_interval_s = stream_interval_s  # each stream reads at most this often (0: as it comes)
         self.served_model_name = served_model_name
@@ -156,7 +157,7 @@ class EngineHost:
         if getattr(engine, "lora", None) is not None:  # `<served name>:<adapter>` names a dynamic adapter
             engine.lora.base_names.add(served_model_name)
         self.metrics = metrics if metrics is not None else EngineMetrics(served_model_name)
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, torch_thread)
         self.loop.start()
         self.waiting: set[_Sink] = set()  # the sinks of the streams in flight
         self._engine_problem: str | None = None  # what the engine's own check last found (a dead worker)
@@ -267,13 +268,15 @@ class EngineReplica:
             # for fractional CPUs would otherwise leave cores idle (or oversubscribe them).
             torch.set_num_threads(torch_threads)
         config = EngineConfig(**engine_config)
-        # Building the model is long synchronous work: keep the replica's event loop responsive.
-        engine = await asyncio.to_thread(
-            Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed, revision=revision
-        )
+        # Building the model is long synchronous work: keep the replica's event loop responsive. It
+        # is built on the thread that then runs its steps (engine_loop.TorchThread says why).
+        torch_thread = TorchThread(torch.get_num_threads())
+        engine = await asyncio.wrap_future(torch_thread.submit(functools.partial(
+            Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed, revision=revision)))
         if engine_wrapper is not None:  # tests only (a callable: no config can set it)
             engine = engine_wrapper(engine)
-        self._host = EngineHost(engine, served_model_name, stall_timeout_s, stream_interval_s=stream_interval_ms / 1000)
+        self._host = EngineHost(engine, served_model_name, stall_timeout_s, stream_interval_s=stream_interval_ms / 1000,
+                                torch_thread=torch_thread)
         # The key may be set only where the replicas run (a cluster's environment).
         settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}
         self._settings = IngressSettings(**settings)

@@ -12,6 +12,7 @@ profiler can tell the step's CPU from the serving path's. No Ray here, so it can
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import logging
 import queue
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from model.engine.sequence import RequestOutput
 from model.loading.lora import LoraNotFoundError
@@ -132,10 +135,52 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
-class EngineLoop:
-    """Owns an `Engine` and runs its steps on a dedicated daemon thread."""
+class TorchThread:
+    """One daemon thread for all of a replica's torch work: building its engine, then the step
+    loop (and, through `EngineLoop.run_between_steps`, whatever must not run beside a step).
 
-    def __init__(self, engine: Any) -> None:
+    Two reasons it is one thread. `torch.set_num_threads` reaches the OpenMP (and MKL) thread
+    count of the calling thread only: in a thread that did not call it, MKL's products run on
+    OMP_NUM_THREADS, which Ray sets to the replica's CPUs (1 by default), while
+    torch.get_num_threads() still says the replica's setting (a 16 x 2048 x 2048 product ran on 1.0
+    core, then 2.0 once the thread applied it). And OpenMP keeps a team of worker threads per
+    thread that ran parallel work: the team of the thread that built the engine, idle, still
+    counts, and with more OpenMP threads than cores libgomp throttles its spin-waits, so the step's
+    team sleeps and wakes at every parallel region (measured on 2 cores, the same products after
+    another thread had run some: 19.3 ms a pass on 1.68 cores against 15.0 ms on 1.96 alone)."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, args=(num_threads,), name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    def _serve(self, num_threads: int) -> None:
+        _name_os_thread(STEP_THREAD_NAME)
+        torch.set_num_threads(num_threads)
+        while True:
+            fn, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller's future carries it
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn()` on this thread after what was submitted before it."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class EngineLoop:
+    """Owns an `Engine` and runs its steps on a dedicated daemon thread (`torch_thread`, the one
+    that built the engine; a new one when None)."""
+
+    def __init__(self, engine: Any, torch_thread: TorchThread | None = None) -> None:
         self._engine = engine
         self._commands: queue.SimpleQueue[tuple[str, Any, _Sink | None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -144,11 +189,13 @@ class EngineLoop:
         self.error: str | None = None
         self.stats = engine.stats()  # a snapshot, replaced (never mutated) by the loop thread
         self._last_progress = time.monotonic()  # end of the loop's last step or idle check
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._torch = torch_thread if torch_thread is not None else TorchThread(torch.get_num_threads())
+        self._running: concurrent.futures.Future[Any] | None = None  # the step loop, once started
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return (self.error is None and self._running is not None and not self._running.done()
+                and self._torch.is_alive())
 
     def stalled_s(self) -> float:
         """Seconds since the loop last made progress (finished a step, or found nothing to do).
@@ -167,12 +214,13 @@ class EngineLoop:
         return None
 
     def start(self) -> None:
-        self._thread.start()
+        self._running = self._torch.submit(self._run)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
         self._wakeup.set()
-        self._thread.join(timeout_s)
+        if self._running is not None:
+            concurrent.futures.wait([self._running], timeout_s)
 
     def submit(self, requests: list[SubRequest]) -> _Sink:
         """Queue `requests` for the next step; their outputs (lists of deltas) or an
@@ -211,7 +259,6 @@ class EngineLoop:
         self._wakeup.set()
 
     def _run(self) -> None:
-        _name_os_thread(STEP_THREAD_NAME)
         try:
             while not self._stopping:
                 self._apply_commands()

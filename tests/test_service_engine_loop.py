@@ -319,3 +319,47 @@ def test_cancelling_a_stream_aborts_its_requests_and_frees_their_blocks(engine: 
             host.stop()
 
     asyncio.run(run())
+
+
+STEP_THREAD_OMP = """
+import asyncio, ctypes, sys
+import torch
+from model.config import EngineConfig
+from model.engine.engine import Engine
+from service.engine_loop import EngineLoop
+
+torch.set_num_threads(2)  # as the replica does, on its own thread, before the loop starts
+gomp = next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line)
+omp_get_max_threads = ctypes.CDLL(gomp).omp_get_max_threads
+
+
+async def main() -> None:
+    loop = EngineLoop(Engine(sys.argv[1], EngineConfig(max_num_seqs=1, num_kv_blocks=8)))
+    loop.start()
+    try:
+        print(await asyncio.wait_for(loop.run_between_steps(omp_get_max_threads), 60))
+    finally:
+        loop.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_the_step_thread_runs_torch_on_the_threads_set_for_the_replica(tmp_path) -> None:
+    """Ray sets OMP_NUM_THREADS to a replica's CPUs (1 by default) and the replica asks torch for
+    more threads; OpenMP's (and so MKL's) count is per thread, so the step thread must apply it
+    itself or every matrix product of the step runs on one core."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch without OpenMP")
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny")
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", STEP_THREAD_OMP, str(ckpt)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "2", done.stdout
