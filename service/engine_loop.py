@@ -139,15 +139,17 @@ class TorchThread:
     """One daemon thread for all of a replica's torch work: building its engine, then the step
     loop (and, through `EngineLoop.run_between_steps`, whatever must not run beside a step).
 
-    Two reasons it is one thread. `torch.set_num_threads` reaches the OpenMP (and MKL) thread
-    count of the calling thread only: in a thread that did not call it, MKL's products run on
-    OMP_NUM_THREADS, which Ray sets to the replica's CPUs (1 by default), while
-    torch.get_num_threads() still says the replica's setting (a 16 x 2048 x 2048 product ran on 1.0
-    core, then 2.0 once the thread applied it). And OpenMP keeps a team of worker threads per
-    thread that ran parallel work: the team of the thread that built the engine, idle, still
-    counts, and with more OpenMP threads than cores libgomp throttles its spin-waits, so the step's
-    team sleeps and wakes at every parallel region (measured on 2 cores, the same products after
-    another thread had run some: 19.3 ms a pass on 1.68 cores against 15.0 ms on 1.96 alone)."""
+    Why one thread: in the service, with the engine built on another thread (asyncio.to_thread)
+    and stepped on a new one, the step's threads got 1.07-1.17 cores at 16 and 32 clients
+    (`loadtests/bench_service.py`, five runs) where the bare engine gets 1.85; built and stepped
+    here, 1.60-1.75 (two runs), and the service made about 1.1-1.2x the tokens (medians across
+    runs). Why it helps is not established: OpenMP's thread count is per thread (MKL alone in a new
+    thread ran on OMP_NUM_THREADS, which Ray sets to the replica's CPUs), but the first ATen
+    parallel op of a thread applies torch's count there, so the engine's steps were not on one
+    core for that reason; and with more OpenMP threads than cores (the builder's idle team
+    counts) libgomp shortens its spin-waits, but `loadtests/bench_step_thread.py`, the same
+    layouts without Ray, showed no difference (1.10x, spread 0.82-1.15, with a busy neighbour).
+    This thread sets torch's count itself before any work."""
 
     def __init__(self, num_threads: int) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()

@@ -347,8 +347,8 @@ asyncio.run(main())
 
 def test_the_step_thread_runs_torch_on_the_threads_set_for_the_replica(tmp_path) -> None:
     """Ray sets OMP_NUM_THREADS to a replica's CPUs (1 by default) and the replica asks torch for
-    more threads; OpenMP's (and so MKL's) count is per thread, so the step thread must apply it
-    itself or every matrix product of the step runs on one core."""
+    more threads; OpenMP's (and so MKL's) count is per thread: the step thread applies it before
+    any work (else MKL called before the thread's first ATen parallel op runs on one thread)."""
     import os
     import subprocess
     import sys
