@@ -33,16 +33,21 @@ class SamplingRow:
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """OpenAI presence/frequency penalties over generated tokens; vLLM's repetition
-    penalty over prompt and generated tokens. logits (B, V) float32, changed in place."""
-    vocab = logits.shape[1]
+    penalty over prompt and generated tokens. logits (B, V) float32, changed in place.
+
+    Every tensor is made on the logits' device: torch mixes devices only for 0-dim CPU tensors."""
+    vocab, device = logits.shape[1], logits.device
     for i, row in enumerate(rows):
         p = row.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
+                                device=device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-            counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab)[:vocab].to(logits.dtype)
+            ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
+            # Occurrences of each token (V,); index_add_, unlike bincount, needs no host sync.
+            counts = logits.new_zeros(vocab).index_add_(0, ids, logits.new_ones(ids.shape[0]))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
@@ -139,12 +144,16 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]
 def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:
     """The distribution (len(idx), V) that rows `idx` (not greedy) sample from: processed logits
     (`process_logits`) over temperature, then top-k / top-p."""
-    sub = logits[idx] / torch.tensor([rows[i].params.temperature for i in idx])[:, None]
+    device = logits.device
+    temperature = torch.tensor([rows[i].params.temperature for i in idx], dtype=logits.dtype, device=device)
+    sub = logits[idx] / temperature[:, None]
     vocab = sub.shape[1]
     # A top_k beyond the vocabulary keeps everything (and must not overflow int64).
-    top_k = torch.tensor([min(rows[i].params.top_k, vocab) if rows[i].params.top_k > 0 else vocab for i in idx])
-    top_p = torch.tensor([rows[i].params.top_p for i in idx], dtype=sub.dtype)
-    if bool((top_k < vocab).any() or (top_p < 1.0).any()):
+    ks = [min(rows[i].params.top_k, vocab) if rows[i].params.top_k > 0 else vocab for i in idx]
+    ps = [rows[i].params.top_p for i in idx]
+    if any(k < vocab for k in ks) or any(p < 1.0 for p in ps):  # decided on the host: no device sync
+        top_k = torch.tensor(ks, dtype=torch.long, device=device)
+        top_p = torch.tensor(ps, dtype=sub.dtype, device=device)
         sub = _top_k_top_p(sub, top_k, top_p)
     return torch.softmax(sub, dim=-1)
 
