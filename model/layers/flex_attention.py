@@ -93,12 +93,14 @@ class FlexPagedAttention:
                context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
         """q (B, Hq, d), block_tables (B, W), context_lens (B,) -> (B, Hq, d) (a `DecodeKernel`)."""
         b = q.shape[0]
+        # The plan is keyed by the step's own tensors: padded copies are new tensors each layer.
+        key = (block_tables, context_lens, 1, window)
         rows = _next_power_of_two(b) if self.compiled else b  # one compiled kernel per power of two
         if rows != b:
             q = torch.cat([q, q.new_zeros(rows - b, *q.shape[1:])])
             block_tables = torch.cat([block_tables, block_tables.new_zeros(rows - b, block_tables.shape[1])])
             context_lens = torch.cat([context_lens, context_lens.new_zeros(rows - b)])
-        mask = self._mask((block_tables, context_lens, 1, window), block_tables, context_lens, 1, window)
+        mask = self._mask(key, block_tables, context_lens, 1, window)
         out = self._attend(q.unsqueeze(2), k_cache, v_cache, mask, scale)  # (rows, Hq, 1, d)
         return out[:b, :, 0]
 
@@ -108,11 +110,16 @@ class FlexPagedAttention:
         q (L, Hq, d), block_table (W,) -> (L, Hq, d) (a `PrefillKernel`)."""
         length = q.shape[0]
         padded = _next_power_of_two(length) if self.compiled else length
-        # Padding queries sit after the chunk: they see every real key and are dropped.
-        lens = torch.full((1,), context_len - length + padded, dtype=torch.long, device=q.device)
+        # Padding queries sit after the chunk, at positions >= context_len: they see every real
+        # key and are dropped. The row's blocks stay those of its real context: counting the
+        # padding as context would list blocks past the table, whose padding entries point at
+        # physical block 0, which the kernel would then visit twice when the row owns it.
+        lens = torch.full((1,), context_len, dtype=torch.long, device=q.device)
+        starts = torch.full((1,), context_len - length, dtype=torch.long, device=q.device)
         if padded != length:
             q = torch.cat([q, q.new_zeros(padded - length, *q.shape[1:])])
-        mask = self._mask((block_table, context_len, padded, window), block_table[None], lens, padded, window)
+        mask = self._mask((block_table, context_len, padded, window), block_table[None], lens, padded, window,
+                          starts)
         out = self._attend(q.transpose(0, 1)[None], k_cache, v_cache, mask, scale)  # (1, Hq, L', d)
         return out[0, :, :length].transpose(0, 1)
 
@@ -131,22 +138,27 @@ class FlexPagedAttention:
         return out.to(q.dtype)
 
     def _mask(self, key: tuple, block_tables: torch.Tensor, context_lens: torch.Tensor, q_len: int,
-              window: int | None) -> BlockMask:
-        """The block mask of rows whose `q_len` queries end each row's context, built once per
-        `key` (its tensors compared by identity, the rest by value) and shared by the layers."""
+              window: int | None, starts: torch.Tensor | None = None) -> BlockMask:
+        """The block mask of rows with `q_len` queries over each row's context (`build_block_mask`),
+        built once per `key` (its tensors compared by identity, the rest by value) and shared by
+        the layers."""
         for plan in self._plans:
             if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(plan.key, key)):
                 return plan.mask
         mask = build_block_mask(block_tables, context_lens, q_len, window, self.num_blocks, self.block_size,
-                                full_width=self.compiled)
+                                full_width=self.compiled, starts=starts)
         self._plans.append(_Plan(key, mask))
         return mask
 
 
 def build_block_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, q_len: int, window: int | None,
-                     num_blocks: int, block_size: int, full_width: bool = False) -> BlockMask:
-    """BlockMask over the physical pool for B rows: row b's queries are the last `q_len`
-    positions of a context of context_lens[b] positions held in block_tables[b] (B, W).
+                     num_blocks: int, block_size: int, full_width: bool = False,
+                     starts: torch.Tensor | None = None) -> BlockMask:
+    """BlockMask over the physical pool for B rows: row b's keys are the context_lens[b]
+    positions held in block_tables[b] (B, W); its `q_len` queries sit at positions starts[b] ..
+    starts[b] + q_len - 1 (default: the context's last q_len positions; queries past the
+    context, a compiled chunk's padding, see all of it). Each row lists only the blocks of its
+    context: ceil(context_lens[b] / block_size) <= W.
 
     Device ops only (no host sync). `full_width` pads the block lists to every block of the
     pool: one shape whatever the tables' width, so the compiled kernel is not recompiled as
@@ -161,7 +173,9 @@ def build_block_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, q_l
     inverse = torch.full((b, num_blocks + 1), -1, dtype=torch.int32, device=block_tables.device)
     inverse.scatter_(1, cols, j.to(torch.int32)[None, :].expand(b, w).contiguous())
     inverse = inverse[:, :num_blocks]
-    starts = (context_lens - q_len).to(torch.int32)  # (B,) position of each row's first query
+    if starts is None:
+        starts = context_lens - q_len
+    starts = starts.to(torch.int32)  # (B,) position of each row's first query
 
     def mask_mod(bi, hi, q_idx, kv_idx):
         logical = inverse[bi, kv_idx // bs]
