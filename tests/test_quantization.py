@@ -152,6 +152,20 @@ def test_on_the_fly_logits_match_the_dequantized_reference(case, llama_dir, tran
         assert rel_err(full_logits(model, tokens[:t]), full_logits(ref, tokens[:t])) < RTOL
 
 
+def test_a_quantized_head_keeps_gemma2s_final_logit_softcap(tmp_path) -> None:
+    """The quantized head's product goes through the model's own finish (Gemma 2's soft-cap):
+    replacing compute_logits once dropped it, and logits ran past the cap."""
+    cap = 1.0
+    write_tiny_llama(tmp_path, "gemma2", seed=3, with_tokenizer=False, head_dim=16, num_key_value_heads=2,
+                     tie_word_embeddings=True, query_pre_attn_scalar=24, final_logit_softcapping=cap)
+    _, plain = load_model(tmp_path)
+    _, model = load_model(tmp_path, quantize=on_the_fly_scheme("int8", 64), quantize_lm_head=True)
+    tokens = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(2))
+    logits, ref = full_logits(model, tokens), full_logits(plain, tokens)
+    assert logits.abs().max().item() <= cap
+    assert rel_err(logits, ref) < 0.05  # int8 weights; 0.51 with the cap dropped
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_lm_head_is_quantized_when_asked(family, llama_dir, qwen2_dir) -> None:
     """Untied (Llama): the head alone. Tied (Qwen2): one quantized matrix is both the head and

@@ -176,8 +176,20 @@ def quantize_head(model: nn.Module, scheme: QuantScheme) -> None:
     else:
         setattr(model, embed_name, QuantizedEmbedding(layer, weight.dtype))
     # The model classes compute logits from the head's weight matrix, which a quantized head
-    # does not have: its own forward is the logits.
-    object.__setattr__(model, "compute_logits", layer)
+    # does not have: its own forward is the product, followed by what the model applies after
+    # it (`finish_logits`, e.g. Gemma 2's soft-cap).
+    finish = getattr(model, "finish_logits", None)
+    object.__setattr__(model, "compute_logits", layer if finish is None else _Then(layer, finish))
+
+
+class _Then:
+    """head(hidden), then finish(logits): a quantized head's logits for a model that post-processes them."""
+
+    def __init__(self, head: QuantizedLinear, finish: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.head, self.finish = head, finish
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.head(hidden))
 
 
 def resident_bytes(model: nn.Module) -> int:

@@ -98,7 +98,11 @@ class GemmaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab), soft-capped when the config says so (Gemma 2)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight)
+        return self.finish_logits(linear(hidden, weight))
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What follows the head's product: Gemma 2's final-logit soft-cap (none: as is). A
+        quantized head (model/loading/quantize.py) applies it after its own product."""
         cap = self.cfg.gemma.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
