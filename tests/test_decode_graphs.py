@@ -90,8 +90,61 @@ def test_greedy_tokens_equal_with_enforce_eager_on_and_off(llama_dir) -> None:
     assert len({tuple(o) for o in outs[True]}) == 6
 
 
-def test_cpu_default_is_eager_and_cuda_default_captures() -> None:
-    """enforce_eager=None: static buffers only where a graph is captured (they cost padding rows)."""
+def test_cpu_default_is_eager() -> None:
+    """enforce_eager=None: static buffers only where a graph is captured (they cost padding rows);
+    the CUDA half is tests/test_gpu.py's (`pytest -m gpu`)."""
     assert EngineConfig().enforce_eager is None
-    engine = Engine("transformer-base", EngineConfig(num_kv_blocks=8))
+    engine = Engine("transformer-base", EngineConfig(num_kv_blocks=8), device="cpu")
     assert engine.runner.graphs is None
+
+
+@pytest.mark.parametrize("model,backend,gathers", [
+    ("transformer-base", "gather", True),
+    ("transformer-base", "flex", False),
+    ("transformer-base", "fused", False),
+    ("transformer-base-additive", "flex", True),  # additive scores have no kernel: decode gathers
+])
+def test_the_workspace_is_reserved_only_where_decode_gathers(model, backend, gathers) -> None:
+    engine = Engine(model, EngineConfig(num_kv_blocks=32, block_size=BS, max_num_seqs=12, max_model_len=40,
+                                        attention_backend=backend, enforce_eager=False), device="cpu")
+    graphs = engine.runner.graphs
+    graphs.reserve_workspace()
+    assert engine.runner.cache.workspace_blocks == (12 * 10 if gathers else 0)  # 12 rows of 40 / BS blocks
+
+
+@pytest.fixture
+def capturing_engine(llama_dir):
+    """An engine whose static decode path tries to capture (as on CUDA), with two sequences to decode."""
+    engine = Engine(llama_dir, EngineConfig(num_kv_blocks=24, block_size=BS, max_num_seqs=4, enforce_eager=False),
+                    device="cpu")
+    engine.runner.graphs.capture = True
+    seqs = _prefilled(engine, [[1, 2], [3, 4, 5]], [6, 9])
+    return engine, engine.runner.prepare([ScheduledSeq(s, 1) for s in seqs])[:3]
+
+
+@torch.inference_mode()
+def test_capture_falls_back_to_eager_only_when_an_op_cannot_be_captured(capturing_engine, monkeypatch, caplog):
+    """CUDA cannot capture here, so its failure is raised where the capture would run: an error that
+    says an op cannot be captured turns capture off (with the reason logged and kept); any other,
+    out of memory included, reaches the caller instead of decoding eagerly for good."""
+    engine, (tokens, positions, meta) = capturing_engine
+    graphs = engine.runner.graphs
+
+    def fail_with(exc: Exception):
+        def capture(bucket: int) -> None:
+            raise exc
+        return capture
+
+    for exc in (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                RuntimeError("CUDA error: an illegal memory access was encountered"), IndexError("index 9 is out of bounds")):
+        monkeypatch.setattr(graphs, "_capture_bucket", fail_with(exc))
+        with pytest.raises(type(exc)):
+            graphs.run(tokens, positions, meta)
+        assert graphs.capture and graphs.eager_reason is None
+    monkeypatch.setattr(graphs, "_capture_bucket",
+                        fail_with(RuntimeError("CUDA error: operation not permitted when stream is capturing")))
+    with caplog.at_level("WARNING", logger="model.engine.runner"):
+        hidden = graphs.run(tokens, positions, meta)
+    assert not graphs.capture and "operation not permitted when stream is capturing" in graphs.eager_reason
+    assert "cannot be captured" in caplog.text and "stream is capturing" in caplog.text
+    assert (hidden - engine.runner.model(tokens, positions, meta, engine.runner.cache)).abs().max().item() < 1e-5

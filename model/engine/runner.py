@@ -21,6 +21,7 @@ import torch
 
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import Sequence, TokenLogprob
+from model.layers.attention import PagedAttention
 from model.layers.flex_attention import FlexPagedAttention, flex_supported
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.layers.lora import LoraBatch, LoraState
@@ -230,6 +231,22 @@ class ModelRunner:
         return sample(logits, rows)
 
 
+def not_capturable(exc: RuntimeError) -> bool:
+    """Whether an error raised while capturing a CUDA graph means an op cannot be captured: CUDA's
+    stream-capture errors ("operation not permitted when stream is capturing", "... during
+    capture", "uncaptured work in another stream", ...) and torch's own checks ("... during CUDA
+    graph capture") all say so. Out of memory is not one of them, nor is any other error."""
+    return not isinstance(exc, torch.cuda.OutOfMemoryError) and "captur" in str(exc).lower()
+
+
+def decode_gathers(model: torch.nn.Module, backend: str) -> bool:
+    """Whether a decode step of `model` on `backend` reads the cache through the gather path."""
+    if backend == "gather":
+        return True
+    return any(not m.attn.has_kernel(getattr(m, "sinks", None) is not None)
+               for m in model.modules() if isinstance(getattr(m, "attn", None), PagedAttention))
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """Padded decode batch sizes: 1, 2, 4, then multiples of 8 (vLLM's), up to max_num_seqs."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
@@ -259,6 +276,7 @@ class DecodeGraphs:
             logger.info("decode runs on static padded buffers; CUDA graph capture skipped on %s", dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttnMetadata]] = {}
         self._pool = None
+        self.eager_reason: str | None = None  # why capture was turned off, when it was
         self.num_steps = 0  # decode steps run here, and of their rows the padding ones
         self.num_padding_rows = 0
         self.num_replays = 0
@@ -285,9 +303,12 @@ class DecodeGraphs:
         if bucket not in self._graphs:
             try:
                 self._capture_bucket(bucket)
-            except Exception as exc:  # an op that cannot be captured: decode eagerly from now on
-                logger.warning("CUDA graph capture failed (%s: %s); decoding eagerly on static buffers",
-                               type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            except RuntimeError as exc:
+                if not not_capturable(exc):  # out of memory, a real bug: not hidden behind eager decoding
+                    raise
+                self.eager_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                logger.warning("CUDA graph capture of batch size %d failed, an op cannot be captured (%s); "
+                               "decoding eagerly on static buffers from now on", bucket, self.eager_reason)
                 self.capture = False
                 self.num_steps -= 1
                 self.num_padding_rows -= bucket - b
@@ -321,14 +342,22 @@ class DecodeGraphs:
         self.runner.set_kernels(meta)
         return meta
 
+    def reserve_workspace(self) -> None:
+        """Size the gather path's workspace for the largest bucket before the first capture, if a
+        decode step reads through it (the gather backend, or layers without a kernel: additive,
+        soft-capped, sinks): one grown later would free memory that the graphs captured before
+        still read and write. A decode that never gathers (flex or fused, every layer with a
+        kernel) reserves nothing: at a long context that workspace is max_num_seqs x the
+        context's blocks, per K and V (2 x 16 GiB for Llama-3.1-8B at 131k with 64 sequences)."""
+        if decode_gathers(self.runner.model, self.runner.backend):
+            self.runner.cache.gather(0, self.block_tables)
+
     def _capture_bucket(self, bucket: int) -> None:
         """Warm up (compiles, sizes workspaces) then capture one bucket's forward. The warm-up runs
         on the step's own inputs, so the K/V it writes are the ones the replay writes again."""
         runner, full = self.runner, self.width * self.runner.block_size
         if self._pool is None:
-            # The gather path's workspace at its largest before any capture: one grown later would
-            # free memory that the graphs captured before still read and write.
-            runner.cache.gather(0, self.block_tables)
+            self.reserve_workspace()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -186,8 +186,7 @@ class PagedAttention:
         k = self.score.project_keys(k)
         cache.update(self.layer, meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        # Soft-capped or sink scores have no fused kernel: the explicit-softmax reference runs them.
-        fused = isinstance(self.score, DotScore) and self.softcap is None and sinks is None
+        fused = self.has_kernel(sinks is not None)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], meta, cache, fused, sinks)
         for chunk in meta.prefills:
@@ -199,6 +198,12 @@ class PagedAttention:
         if meta.capture is not None:  # an attention request's recompute (model/inspect/attention_maps.py)
             meta.capture.record(self, q, meta, cache, sinks)
         return out
+
+    def has_kernel(self, sinks: bool) -> bool:
+        """Whether this layer's reads of the cache can go through a backend's kernels (else the
+        gather path): soft-capped or sink scores, and additive ones, have none (the
+        explicit-softmax reference runs them)."""
+        return isinstance(self.score, DotScore) and self.softcap is None and not sinks
 
     def _decode(self, q: torch.Tensor, meta: AttnMetadata, cache: KVCache, fused: bool,
                 sinks: torch.Tensor | None) -> torch.Tensor:

@@ -108,6 +108,11 @@ class KVCache:
         kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v.to(vc.dtype))
 
+    @property
+    def workspace_blocks(self) -> int:
+        """Blocks the gather workspace holds now (per K and V)."""
+        return self._work[0].shape[0]
+
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K/V of sequences: block_tables (B, nb) -> two (B, nb * block_size, H, d).
 
