@@ -20,6 +20,25 @@ os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 SHARED_SERVE = "shared_serve"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--accel-device", default="cuda",
+                     help="the device of the tests marked gpu (tests/test_gpu.py, `pytest -m gpu`); "
+                          "`--accel-device cpu` runs them on the CPU to check the tests themselves")
+
+
+def runs_gpu_tests(config: pytest.Config) -> bool:
+    """Whether this run selects the gpu-marked tests (`-m gpu`, `-m "gpu and not slow"`, ...)."""
+    expr = (config.getoption("markexpr") or "").replace("(", " ").replace(")", " ").split()
+    return any(word == "gpu" and (i == 0 or expr[i - 1] != "not") for i, word in enumerate(expr))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Outside a gpu run, CUDA is hidden (before anything initialises it): the rest of the suite
+    is the CPU's (the fused kernels, `device="auto"` meaning the CPU), also on a GPU machine."""
+    if not runs_gpu_tests(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 @pytest.fixture(scope="session")
 def shared_serve() -> Iterator[Callable[..., Any]]:
     """`local_serve.shared_service`: deploy a module's app on the Ray + Serve the session shares

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -109,17 +110,18 @@ def full_logits(model: nn.Module, token_ids: list[int] | torch.Tensor, block_siz
     """Our model's logits (T, vocab) for one sequence, prefilled in one pass over a fresh cache
     (`rope_len`: every position rotated as in a sequence of at least that many tokens, as the
     engine rotates a prompt longer than a dynamic/LongRoPE model's original context)."""
-    tokens = torch.as_tensor(token_ids, dtype=torch.long)
+    weight = next(model.parameters())
+    dtype, device = weight.dtype, weight.device  # the cache and metadata live where the model does
+    tokens = torch.as_tensor(token_ids, dtype=torch.long).to(device)
     t = tokens.shape[0]
     cfg = model.cfg
     num_blocks = math.ceil(t / block_size)
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.d_head, dtype, "cpu")
-    meta = AttnMetadata(slot_mapping=torch.arange(t), prefills=[
-        PrefillChunk(start=0, length=t, context_len=t, block_table=torch.arange(num_blocks))],
-        rope_len=torch.full((t,), rope_len, dtype=torch.long) if rope_len else None)
+    cache = KVCache(cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.d_head, dtype, device)
+    meta = AttnMetadata(slot_mapping=torch.arange(t, device=device), prefills=[
+        PrefillChunk(start=0, length=t, context_len=t, block_table=torch.arange(num_blocks, device=device))],
+        rope_len=torch.full((t,), rope_len, dtype=torch.long, device=device) if rope_len else None)
     with torch.no_grad():
-        return model.compute_logits(model(tokens, torch.arange(t), meta, cache))
+        return model.compute_logits(model(tokens, torch.arange(t, device=device), meta, cache))
 
 
 # ---- the Llama family ----------------------------------------------------------------
@@ -215,8 +217,10 @@ def _other_requests(n: int, vocab: int, seed: int):
 
 
 def engine_greedy_runs(directory: str | Path, prompt: list[int], max_tokens: int, vocab: int,
-                       block_size: int = 8, preemption_engine: dict | None = None) -> dict[str, list[int]]:
-    """Our greedy continuation of `prompt` (ignore_eos), fp32 on the CPU, four ways:
+                       block_size: int = 8, preemption_engine: dict | None = None,
+                       device: str = "cpu", **engine: Any) -> dict[str, list[int]]:
+    """Our greedy continuation of `prompt` (ignore_eos), fp32 on `device` (other EngineConfig
+    fields from `engine`), four ways:
     `alone`; `prefix_cache` (the same prompt again, its full blocks found in the prefix cache);
     `batch` (inside 16 other requests, with prompts chunked over steps of 48 tokens);
     `preemption` (with 8 others in a pool too small for all, so some are preempted; the pool
@@ -228,19 +232,19 @@ def engine_greedy_runs(directory: str | Path, prompt: list[int], max_tokens: int
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     runs: dict[str, list[int]] = {}
-    llm = LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(block_size=block_size))
+    llm = LLM(str(directory), device=device, dtype="float32", engine_config=EngineConfig(block_size=block_size, **engine))
     runs["alone"] = llm.generate([prompt], greedy)[0].token_ids
     hits = llm.engine.stats().prefix_cache_hits
     runs["prefix_cache"] = llm.generate([prompt], greedy)[0].token_ids
     assert llm.engine.stats().prefix_cache_hits - hits >= (len(prompt) - 1) // block_size * block_size
     others, params = _other_requests(16, vocab, seed=3)
-    llm = LLM(str(directory), device="cpu", dtype="float32",
-              engine_config=EngineConfig(block_size=block_size, max_num_batched_tokens=48))
+    llm = LLM(str(directory), device=device, dtype="float32",
+              engine_config=EngineConfig(block_size=block_size, max_num_batched_tokens=48, **engine))
     outs = llm.generate(others[:8] + [prompt] + others[8:], params[:8] + [greedy] + params[8:])
     runs["batch"] = outs[8].token_ids
     own = math.ceil((len(prompt) + max_tokens) / block_size)
-    llm = LLM(str(directory), device="cpu", dtype="float32",
-              engine_config=EngineConfig(**{"num_kv_blocks": own + 3, "block_size": block_size,
+    llm = LLM(str(directory), device=device, dtype="float32",
+              engine_config=EngineConfig(**{"num_kv_blocks": own + 3, "block_size": block_size, **engine,
                                              **(preemption_engine or {})}))
     others, params = _other_requests(8, vocab, seed=4)
     outs = llm.generate(others[:4] + [prompt] + others[4:], params[:4] + [greedy] + params[4:])
