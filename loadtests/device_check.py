@@ -4,18 +4,32 @@ service/), about 5-8 minutes on an H200. Writes one JSON and prints one table.
     python loadtests/device_check.py                   # on the GPU machine
     python loadtests/device_check.py --dry-run         # the same sequence on the CPU, tiny shapes
 
-Checks, in order (each one's failure is recorded and the next still runs):
+Checks, in order (each one's failure is recorded and the next still runs; what a check could not
+check, e.g. without `transformers` or past the time budget, is a failure, not a pass):
 1. parity: greedy tokens of tiny random Llama, Qwen3 and GPT-2 models (built here with
    `transformers`, no downloads) from the engine against HF `generate` on the same device in
    bfloat16; the paper's Transformer (no HF class) against its own dense no-cache forward.
    In bf16 two correct implementations may part at a near-tie, so a difference passes only
    when HF's top-two logits at that step are within `TIE`.
 2. batch invariance: a prompt alone and in a batch of 16 gives the same greedy tokens (float32).
-3. backends: the flex kernels (compiled on CUDA) against the gather reference (ragged decode,
-   prefill chunks after a cached past, block tables with holes, GQA, windows, bf16/fp16 caches),
+3. backends: the flex kernels (compiled on CUDA) against the engine's own gather path (ragged
+   decode, padded prefill chunks after a cached past in a row that owns block 0, block tables
+   with holes, GQA, windows, bf16/fp16 caches),
    and the engine's greedy tokens with flex and gather.
-4. graphs: greedy tokens with CUDA graphs (enforce_eager off) and without, equal.
-5. throughput: a Llama-3.1-8B-shaped model with random bf16 weights decoding at batch 1, 64 and
+4. graphs: greedy tokens with CUDA graphs (enforce_eager off) and without, equal, and captured
+   (replayed, no fallback to eager) on CUDA.
+5. sampling: sampled requests (temperature, top-k/p, penalties, logit bias, min_tokens, logprobs,
+   seeds) on the device: each runs to its length, a -100 bias is never sampled, a seeded request
+   draws the same tokens alone and in a batch.
+6. prefix_cache: a prompt again (its full blocks cached) and prompts that share a prefix with short
+   tails (a short prefill chunk after a cached past, the padded flex path), equal to the same
+   requests with the prefix cache off.
+7. spec_decode: ngram and draft-model speculation, greedy, equal to plain decoding, with drafts
+   proposed.
+8. long_context: a long-context engine (flex, decode graphs, many sequences): no gather workspace
+   reserved for flex decode, and on CUDA the peak memory beyond the weights and the KV pool stays
+   small (the workspace alone was max_num_seqs x the context's blocks).
+9. throughput: a Llama-3.1-8B-shaped model with random bf16 weights decoding at batch 1, 64 and
    256 over a 2k context (distinct KV blocks per sequence, no prefix sharing), against the
    roofline (weight + KV bytes per step over 4.8 TB/s, FLOPs over 790 TFLOP/s) and against HF
    `generate` on the same weights (its decode steps timed by a logits processor).
@@ -46,8 +60,9 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
 from model.engine.scheduler import ScheduledSeq  # noqa: E402
 from model.engine.sequence import Sequence  # noqa: E402
+from model.layers.attention import DotScore, PagedAttention  # noqa: E402
 from model.layers.flex_attention import FlexPagedAttention  # noqa: E402
-from model.layers.paged_attention import gather_decode_attention, gather_prefill_attention  # noqa: E402
+from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk  # noqa: E402
 from model.sampling.sampler import SamplingRow  # noqa: E402
 
 logger = logging.getLogger("device_check")
@@ -74,6 +89,8 @@ class Sizes:
     # (attention_backend, enforce_eager) of the engine's throughput runs; gather runs the first two batches
     throughput_configs: tuple = (("flex", False), ("gather", False))
     warm_steps: int = 3
+    long_context: int = 131072  # max_model_len of the long_context check (Llama-3.1's)
+    long_seqs: int = 64
 
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -89,7 +106,7 @@ FULL = Sizes("cuda", torch.bfloat16, 16, LLAMA_8B, (1, 64, 256), 2048, 32, 2048)
 # reference is traced afresh per shape, seconds each on a small machine.
 DRY = Sizes("cpu", torch.float32, 4, TINY_BIG, (1, 4), 48, 2, 40, block_size=16, num_prompts=2,
             kernel_cases=((torch.float16, 8),), graph_backends=("auto",), warm_steps=1,
-            throughput_configs=(("auto", False),))
+            throughput_configs=(("auto", False),), long_context=1024, long_seqs=8)
 
 
 @dataclass
@@ -209,7 +226,9 @@ def check_parity(s: Sizes, work: Path) -> Check:
     check = Check("parity")
     for arch in ("llama", "qwen3", "gpt2", "transformer"):
         if arch != "transformer" and not have_transformers():
-            check.detail[arch] = {"ok": True, "equal": 0, "prompts": 0, "skipped": "transformers is not installed"}
+            check.detail[arch] = {"ok": False, "equal": 0, "prompts": 0,
+                                  "not_checked": "transformers is not installed"}
+            check.status = "fail"
             continue
         directory = work / f"parity-{arch}"
         if arch == "transformer":
@@ -317,30 +336,53 @@ def check_backends(s: Sizes, work: Path) -> Check:
 @torch.inference_mode()
 def kernel_errors(s: Sizes, dtype: torch.dtype, window: int | None, hq: int, hkv: int,
                   d: int) -> dict:
-    """Flex decode and prefill against the gather reference over a scattered pool -> max abs errors."""
+    """Flex decode and prefill against the engine's own gather path (PagedAttention with no kernels)
+    over a scattered pool -> max abs errors. The prefill row owns physical block 0 and two of its
+    contexts fill their blocks exactly, so a padded chunk (3 -> 4, 5 -> 8 queries) would list a
+    block past its table if the padding counted as context."""
     bs, ctx = s.block_size, s.kernel_context
     lens = [1, bs, bs + 1, ctx // 3, ctx - 5, ctx]
     width = -(-ctx // bs)
     num_blocks = len(lens) * width + 7
     g = torch.Generator().manual_seed(0)
-    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).to(s.device)
-    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(s.device, dtype)
-    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(s.device, dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    row = tables[-1]
+    if not bool((row == 0).any()):
+        row[len(row) // 2] = 0
+    tables = tables.to(s.device)
+    cache = KVCache(1, num_blocks, bs, hkv, d, dtype, s.device)
+    cache.keys[0].copy_(torch.randn(num_blocks, bs, hkv, d, generator=g))
+    cache.values[0].copy_(torch.randn(num_blocks, bs, hkv, d, generator=g))
+    attn = PagedAttention(0, d, DotScore(d), window=window)
     flex = FlexPagedAttention(num_blocks, bs, s.device)
-    scale = d**-0.5
     q = torch.randn(len(lens), hq, d, generator=g).to(s.device, dtype)
     context = torch.tensor(lens, device=s.device)
     flex.new_step()
-    got = flex.decode(q, kc, vc, tables, context, scale, window=window)
-    want = gather_decode_attention(q, kc, vc, tables, context, scale, window=window)
-    errs = {"decode": float((got.float() - want.float()).abs().max())}
-    for length in (3, 16):
+    got = flex.decode(q, cache.keys[0], cache.values[0], tables, context, attn.scale, window)
+    slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
+    meta = AttnMetadata(slot_mapping=torch.tensor(slots, device=s.device), num_decode=len(lens),
+                        decode_block_tables=tables, decode_context_lens=context, decode_max_context=max(lens))
+    errs = {"decode": _max_err(got, engine_gather(attn, q, meta, cache))}
+    for length, context_len in ((3, ctx - 2), (5, (ctx // bs) * bs), (16, (ctx // bs) * bs)):
         qp = torch.randn(length, hq, d, generator=g).to(s.device, dtype)
         flex.new_step()
-        got = flex.prefill(qp, kc, vc, tables[-1], ctx - 2, scale, window=window)
-        want = gather_prefill_attention(qp, kc, vc, tables[-1], ctx - 2, scale, window=window)
-        errs[f"prefill{length}"] = float((got.float() - want.float()).abs().max())
+        got = flex.prefill(qp, cache.keys[0], cache.values[0], tables[-1], context_len, attn.scale, window)
+        slots = [int(tables[-1, p // bs]) * bs + p % bs for p in range(context_len - length, context_len)]
+        meta = AttnMetadata(slot_mapping=torch.tensor(slots, device=s.device), prefills=[
+            PrefillChunk(0, length, context_len, tables[-1])])
+        errs[f"prefill{length}-ctx{context_len}"] = _max_err(got, engine_gather(attn, qp, meta, cache))
     return errs
+
+
+def engine_gather(attn: PagedAttention, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
+    """The engine's gather path for `meta`'s queries (no kernels in the metadata): the step writes
+    the K/V already in its slots, so the cache is unchanged."""
+    flat_k, flat_v = (c.view(-1, *c.shape[2:]) for c in (cache.keys[0], cache.values[0]))
+    return attn(q, flat_k[meta.slot_mapping], flat_v[meta.slot_mapping], meta, cache)
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
 
 
 # ---- 4. graphs --------------------------------------------------------------------------------
@@ -362,6 +404,7 @@ def check_graphs(s: Sizes, work: Path) -> Check:
                 check.detail[f"{backend}_static_steps"] = graphs.num_steps
                 check.detail[f"{backend}_replays"] = graphs.num_replays
                 check.detail[f"{backend}_captured_buckets"] = sorted(graphs._graphs)
+                check.detail[f"{backend}_eager_reason"] = graphs.eager_reason
             del llm
             free(s.device)
         check.detail[f"{backend}_equal"] = runs[True] == runs[False]
@@ -370,7 +413,111 @@ def check_graphs(s: Sizes, work: Path) -> Check:
     return check
 
 
-# ---- 5. throughput ----------------------------------------------------------------------------
+# ---- 5. sampling ------------------------------------------------------------------------------
+
+def check_sampling(s: Sizes, work: Path) -> Check:
+    directory = write_llama(work / "sampling", TINY_LLAMA, torch.float32, seed=6)
+    llm = LLM(str(directory), device=s.device, dtype="float32", engine_config=EngineConfig(max_num_seqs=16))
+    n = s.parity_tokens + 4
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=n, temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5,
+                       repetition_penalty=1.3, logit_bias={7: -100.0}, ignore_eos=True),
+        SamplingParams(max_tokens=n, temperature=0.7, top_p=0.5, seed=11, ignore_eos=True, min_tokens=2),
+    ]
+    ps = prompts(3, seed=12)
+    outs = llm.generate(ps, params)
+    alone = llm.generate([ps[2]], params[2])[0].token_ids
+    detail = {"lengths": [len(o.token_ids) for o in outs], "biased_token_sampled": 7 in outs[1].token_ids,
+              "logprobs_ok": all(lp is not None and lp.logprob <= 0.0 and len(lp.top) == 3 for lp in outs[0].logprobs),
+              "seed_batch_invariant": alone == outs[2].token_ids}
+    ok = (detail["lengths"] == [n] * 3 and not detail["biased_token_sampled"] and detail["logprobs_ok"]
+          and detail["seed_batch_invariant"])
+    del llm
+    free(s.device)
+    return Check("sampling", "pass" if ok else "fail", detail)
+
+
+# ---- 6. prefix cache ----------------------------------------------------------------------------
+
+def check_prefix_cache(s: Sizes, work: Path) -> Check:
+    directory = write_llama(work / "prefix", TINY_LLAMA, torch.float32, seed=7)
+    base = prompts(1, seed=13, base=3 * s.block_size + 2)[0]
+    # The prompt again, then tails of 1, 3 and 5 tokens after its first two full blocks.
+    ps = [base, base] + [base[: 2 * s.block_size] + [11 + i] * (1 + 2 * i) for i in range(3)]
+    tokens, hits = {}, 0
+    for caching in (True, False):
+        llm = LLM(str(directory), device=s.device, dtype="float32",
+                  engine_config=EngineConfig(max_num_seqs=8, enable_prefix_caching=caching))
+        tokens[caching] = [llm.generate([p], greedy(s.parity_tokens))[0].token_ids for p in ps]
+        if caching:
+            hits = llm.engine.stats().prefix_cache_hits
+        del llm
+        free(s.device)
+    detail = {"equal": tokens[True] == tokens[False], "cached_tokens": hits}
+    ok = detail["equal"] and hits >= 4 * 2 * s.block_size
+    return Check("prefix_cache", "pass" if ok else "fail", detail)
+
+
+# ---- 7. speculative decoding ----------------------------------------------------------------------
+
+def check_spec_decode(s: Sizes, work: Path) -> Check:
+    directory = write_llama(work / "spec", TINY_LLAMA, torch.float32, seed=8)
+    draft = write_llama(work / "spec-draft", TINY_LLAMA, torch.float32, seed=9)
+    ps = [p[:9] * 3 for p in prompts(s.num_prompts, seed=14, base=9)]  # repeats: ngram matches
+    n = s.parity_tokens + 8
+    configs = {"plain": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+               "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}}
+    tokens, detail = {}, {}
+    for name, spec in configs.items():
+        llm = LLM(str(directory), device=s.device, dtype="float32", speculative_config=spec,
+                  engine_config=EngineConfig(max_num_seqs=8))
+        tokens[name] = [o.token_ids for o in llm.generate(ps, greedy(n))]
+        if spec is not None:
+            stats = llm.engine.stats()
+            detail[name] = {"equal": tokens[name] == tokens["plain"], "drafts": stats.spec_decode_num_draft_tokens,
+                            "accepted": stats.spec_decode_num_accepted_tokens}
+        del llm
+        free(s.device)
+    ok = all(d["equal"] and d["drafts"] > 0 for d in detail.values())
+    return Check("spec_decode", "pass" if ok else "fail", detail)
+
+
+# ---- 8. long context memory ------------------------------------------------------------------------
+
+def check_long_context(s: Sizes, work: Path) -> Check:
+    """Decode graphs under flex at a long max_model_len with many sequences: the gather workspace,
+    max_num_seqs x the context's blocks, must not be reserved (flex decode never reads it)."""
+    fields = dict(TINY_LLAMA, max_position_embeddings=s.long_context)
+    directory = write_llama(work / "long", fields, torch.float32, seed=10)
+    free(s.device)
+    if s.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if s.device == "cuda" else 0
+    cfg = EngineConfig(max_num_seqs=s.long_seqs, num_kv_blocks=512, max_model_len=s.long_context,
+                       attention_backend="flex", enforce_eager=False)
+    llm = LLM(str(directory), device=s.device, dtype="float32", engine_config=cfg)
+    cache = llm.engine.runner.cache
+    pool = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+    llm.generate(prompts(4, seed=15), greedy(s.parity_tokens))
+    old_reserve = s.long_seqs * -(-s.long_context // s.block_size) * cache.keys[0][0].numel() * 4 * 2
+    detail = {"workspace_blocks": cache.workspace_blocks, "kv_pool_bytes": pool,
+              "workspace_bytes_before_the_fix": old_reserve}
+    ok = cache.workspace_blocks == 0
+    if s.device == "cuda":
+        weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+        extra = torch.cuda.max_memory_allocated() - before - pool - weights
+        detail |= {"peak_beyond_weights_and_pool_bytes": extra,
+                   "replays": llm.engine.runner.graphs.num_replays,
+                   "eager_reason": llm.engine.runner.graphs.eager_reason}
+        ok = ok and extra < 256 * 2**20 and detail["replays"] > 0
+    del llm, cache
+    free(s.device)
+    return Check("long_context", "pass" if ok else "fail", detail)
+
+
+# ---- 9. throughput ----------------------------------------------------------------------------
 
 @dataclass
 class Throughput:
@@ -413,10 +560,12 @@ def check_throughput(s: Sizes, work: Path, deadline: float) -> tuple[Check, list
         batches = s.batches if backend != "gather" else s.batches[:2]
         if time.perf_counter() > deadline:
             check.detail[f"skipped_{backend}"] = "time budget"
+            check.status = "fail"
             continue
         rows += engine_throughput(s, directory, n_params, backend, eager, batches)
     if not have_transformers():
         check.detail["skipped_hf"] = "transformers is not installed"
+        check.status = "fail"
     elif time.perf_counter() < deadline:
         import transformers
 
@@ -424,6 +573,7 @@ def check_throughput(s: Sizes, work: Path, deadline: float) -> tuple[Check, list
         for batch in s.batches:
             if time.perf_counter() > deadline:
                 check.detail[f"skipped_hf_batch{batch}"] = "time budget"
+                check.status = "fail"
                 continue
             try:
                 rows.append(hf_throughput(s, hf, n_params, batch))
@@ -434,6 +584,7 @@ def check_throughput(s: Sizes, work: Path, deadline: float) -> tuple[Check, list
         free(s.device)
     else:
         check.detail["skipped_hf"] = "time budget"
+        check.status = "fail"
     return check, rows
 
 
@@ -541,14 +692,19 @@ def run_check(fn, *args) -> Check:
     return check
 
 
+CHECKS = (("parity", check_parity), ("batch_invariance", check_batch_invariance), ("backends", check_backends),
+          ("graphs", check_graphs), ("sampling", check_sampling), ("prefix_cache", check_prefix_cache),
+          ("spec_decode", check_spec_decode), ("long_context", check_long_context))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the whole sequence on the CPU with tiny shapes")
     ap.add_argument("--out", default="device_check.json", help="where the JSON goes")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="throughput parts that would start after this many seconds are skipped")
-    ap.add_argument("--skip", default="", help="comma-separated checks to skip (parity, batch_invariance, "
-                                                "backends, graphs, throughput)")
+    ap.add_argument("--skip", default="", help="comma-separated checks to skip: "
+                                                + ", ".join([name for name, _ in CHECKS] + ["throughput"]))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("model", "transformers", "torch"):
@@ -563,8 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Throughput] = []
     with tempfile.TemporaryDirectory(prefix="qkv-device-check-") as tmp:
         work = Path(tmp)
-        for name, fn in (("parity", check_parity), ("batch_invariance", check_batch_invariance),
-                         ("backends", check_backends), ("graphs", check_graphs)):
+        for name, fn in CHECKS:
             checks.append(Check(name, "skipped") if name in skip else run_check(fn, s, work))
         if "throughput" in skip:
             checks.append(Check("throughput", "skipped"))
