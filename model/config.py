@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 AttentionKind = Literal["dot", "additive"]
 Arch = Literal["transformer", "gpt2", "llama", "moe", "gpt_oss", "gemma2", "gemma3", "phi3"]
@@ -255,60 +255,80 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+REQUIRED: Any = dataclasses.MISSING  # the default of a `described` field that has none
+
+
+def described(default: object, description: str) -> Any:
+    """A dataclass field and what it means to a user: the argument reference in docs/ is generated
+    from the description, and `service.app.AppArgs` takes default and description from here."""
+    return dataclasses.field(default=default, metadata={"description": description})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of the continuous-batching engine.
+    """Knobs of the continuous-batching engine (also `LLM(...)` keyword arguments, and most of
+    them app arguments: `service.app.AppArgs`).
 
     The number of KV blocks is derived at start-up from `kv_cache_bytes`
     (or, when that is None, from `kv_cache_fraction` of free memory).
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    kv_cache_fraction: float = 0.25
-    num_kv_blocks: int | None = None  # explicit override, mostly for tests
-    max_model_len: int | None = None  # defaults to the model's max_position
-    enable_kv_cache: bool = True  # False recomputes the whole sequence each step (benchmarks only)
-    # Reuse the K/V of full blocks whose tokens (and all before them) an earlier request computed.
-    enable_prefix_caching: bool = True
-    # Storage type of cached keys and values; "auto" is the model's dtype. bfloat16/float16 halve
-    # the cache's memory (twice the blocks for the same bytes) and the bytes attention reads.
-    kv_cache_dtype: KVCacheDtype = "auto"
-    # How attention reads the paged cache (model/engine/runner.py): `gather` (the reference: copy,
-    # then SDPA), `fused` (the C++ CPU kernel), `flex` (FlexAttention, the CUDA kernel); `auto`:
-    # fused on the CPU (gather if it cannot be built), flex on CUDA.
-    attention_backend: AttentionBackend = "auto"
-    # True: decode steps run eagerly (vLLM's name). False: decode runs on static buffers padded to a
-    # batch-size bucket, each bucket captured once in a CUDA graph and replayed on CUDA (on the CPU
-    # the padded path runs uncaptured). None: False on CUDA, True on the CPU, where the padding buys
-    # nothing. Prefill always runs eagerly.
-    enforce_eager: bool | None = None
-    # Weight-only quantization applied at load (model/layers/linear/quantized.py): int8 per output
-    # channel, int4 in groups of `quantization_group_size` input columns. A GPTQ/AWQ checkpoint is
-    # loaded as its config.json's `quantization_config` says, with quantization "none".
-    quantization: Quantization = "none"
-    quantization_group_size: int = 128
-    quantize_lm_head: bool = False  # also the LM head (the embedding lookup stays full precision)
-    # Speculative decoding (model/engine/spec_decode/): {"method": "ngram", "num_speculative_tokens",
-    # "prompt_lookup_min", "prompt_lookup_max"} or {"method": "draft_model", "model",
-    # "num_speculative_tokens"}, either with "disable_by_batch_size"; None: off.
-    speculative_config: dict | None = None
-    # LoRA adapters (model/layers/lora.py): {name: directory or hub id} loaded at start-up; a
-    # directory (or hub org) under which `base:adapter` names load on first use; at most `max_loras`
-    # resident at once (LRU; adapters with requests in flight stay), each of rank <= `max_lora_rank`.
-    # LoRA is on when either of the first two is set.
-    lora_modules: dict[str, str] | None = None
-    lora_dynamic_path: str | None = None
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    # Tensor parallelism (model/engine/parallel/): the model's heads, MLP columns and vocabulary split
-    # over this many Ray worker actors (gloo on the CPU, NCCL on CUDA, one GPU each); each CPU worker
-    # takes `tp_worker_num_cpus`. Pipeline parallelism is not supported yet (only 1).
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    tp_worker_num_cpus: float = 1.0
+    max_num_seqs: int = described(64, "The most sequences in the running batch; each step runs them all in one "
+                                      "forward pass.")
+    max_num_batched_tokens: int = described(2048, "Tokens one step computes at most, decodes and prompt chunks "
+                                                  "together: a longer prompt is prefilled in chunks over several "
+                                                  "steps.")
+    block_size: int = described(16, "Tokens per KV-cache block, the unit the cache is allocated, shared (prefix "
+                                    "caching) and freed in.")
+    kv_cache_bytes: int | None = described(None, "Bytes of the KV cache; None: `kv_cache_fraction` of the memory "
+                                                 "free at start-up. Never more blocks than `max_num_seqs` sequences "
+                                                 "of `max_model_len` need.")
+    kv_cache_fraction: float = described(0.25, "Share of the free memory (the GPU's on CUDA, MemAvailable on the "
+                                               "CPU) the KV cache takes when `kv_cache_bytes` is None; in (0, 0.95].")
+    num_kv_blocks: int | None = described(None, "The number of KV blocks, overriding `kv_cache_bytes` and "
+                                                "`kv_cache_fraction` (mostly for tests).")
+    max_model_len: int | None = described(None, "The longest sequence, prompt plus generated tokens; None, or "
+                                                "more than the model allows: the model's max_position.")
+    enable_kv_cache: bool = described(True, "False recomputes every sequence from position 0 each step: a "
+                                            "baseline for benchmarks only.")
+    enable_prefix_caching: bool = described(True, "Reuse the K/V of full blocks whose tokens (and all before "
+                                                  "them) an earlier request computed.")
+    kv_cache_dtype: KVCacheDtype = described("auto", "Storage type of cached keys and values; auto: the model's "
+                                                     "dtype. bfloat16/float16 halve the cache's memory (twice the "
+                                                     "blocks for the same bytes) and the bytes attention reads.")
+    attention_backend: AttentionBackend = described(
+        "auto", "How attention reads the paged cache: `gather` (the reference: copy, then SDPA), `fused` (the C++ "
+                "CPU kernel), `flex` (FlexAttention, the CUDA kernel); auto: fused on the CPU (gather if it cannot "
+                "be built), flex on CUDA.")
+    enforce_eager: bool | None = described(
+        None, "True: decode steps run eagerly (vLLM's name). False: decode runs on static buffers padded to a "
+              "batch-size bucket, each bucket captured once in a CUDA graph and replayed (on the CPU the padded "
+              "path runs uncaptured). None: False on CUDA, True on the CPU. Prefill always runs eagerly.")
+    quantization: Quantization = described(
+        "none", "Weight-only quantization applied at load: int8 per output channel, int4 in groups of "
+                "`quantization_group_size` input columns. A GPTQ/AWQ checkpoint is loaded as its config.json's "
+                "`quantization_config` says, with quantization none.")
+    quantization_group_size: int = described(128, "int4: input columns that share one scale (32, 64 or 128).")
+    quantize_lm_head: bool = described(False, "Quantize the LM head too (the embedding lookup stays full "
+                                              "precision).")
+    speculative_config: dict | None = described(
+        None, "Speculative decoding: {\"method\": \"ngram\" | \"draft_model\", ...}, the keys in the table of "
+              "`speculative_config` below; None: off.")
+    lora_modules: dict[str, str] | None = described(None, "LoRA adapters loaded at start-up, {name: directory or "
+                                                          "hub id}; a request picks one by name (HTTP: its `model`; "
+                                                          "`LLM.generate(lora=...)`). LoRA is on when this or "
+                                                          "`lora_dynamic_path` is set.")
+    lora_dynamic_path: str | None = described(None, "A directory (or hub org) under which an adapter named "
+                                                    "`base:adapter` is loaded on first use.")
+    max_loras: int = described(4, "Adapters resident at once per engine (least recently used evicted; adapters "
+                                  "with requests in flight stay).")
+    max_lora_rank: int = described(16, "The largest LoRA rank an adapter may have.")
+    tensor_parallel_size: int = described(
+        1, "Ray worker actors the model is sharded over (its heads, MLP columns and vocabulary; gloo on the CPU, "
+           "NCCL on CUDA, one GPU each). Not with quantization, speculative_config or LoRA.")
+    pipeline_parallel_size: int = described(1, "Pipeline stages: only 1 (pipeline parallelism is not "
+                                               "implemented).")
+    tp_worker_num_cpus: float = described(1.0, "CPUs each tensor-parallel worker actor takes.")
 
     def __post_init__(self) -> None:
         from model.engine.spec_decode.config import SpeculativeConfig  # noqa: PLC0415 (model.engine imports this module)

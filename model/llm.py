@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,6 +16,8 @@ from model.engine.sequence import TokenLogprob
 from model.inspect.attention_maps import AttentionMaps
 from model.inspect.attention_spec import AttentionSpec
 from model.sampling.params import SamplingParams
+
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 @dataclass
@@ -39,23 +43,16 @@ class LLM:
 
     def __init__(self, model: str = "transformer-base", device: str = "auto", dtype: str = "auto",
                  seed: int = 0, engine_config: EngineConfig | None = None, revision: str | None = None,
-                 enforce_eager: bool | None = None, attention_backend: str | None = None,
-                 quantization: str | None = None, quantization_group_size: int | None = None,
-                 speculative_config: dict | None = None, tensor_parallel_size: int | None = None,
-                 pipeline_parallel_size: int | None = None) -> None:
-        """`enforce_eager`, `attention_backend`, `quantization` (none | int8 | int4; a GPTQ/AWQ
-        checkpoint loads as it is quantized), `quantization_group_size`, `speculative_config`
-        (model/engine/spec_decode/config.py) and `tensor_parallel_size` / `pipeline_parallel_size`
-        (model/engine/parallel/: Ray worker actors, a local Ray started when none runs), when given,
-        replace those fields of `engine_config`."""
-        changes = {k: v for k, v in (("enforce_eager", enforce_eager), ("attention_backend", attention_backend),
-                                     ("quantization", quantization),
-                                     ("quantization_group_size", quantization_group_size),
-                                     ("speculative_config", speculative_config),
-                                     ("tensor_parallel_size", tensor_parallel_size),
-                                     ("pipeline_parallel_size", pipeline_parallel_size)) if v is not None}
-        if changes:
-            engine_config = (engine_config or EngineConfig()).replace(**changes)
+                 **engine_args: Any) -> None:
+        """`engine_args`: any `EngineConfig` field by name (`max_model_len=4096`, `quantization="int8"`,
+        `speculative_config={...}`, `tensor_parallel_size=2`, as vLLM's `LLM` takes them), replacing
+        that field of `engine_config`. Tensor parallelism starts a local Ray when none runs."""
+        unknown = sorted(set(engine_args) - ENGINE_FIELDS)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; it takes model, device, dtype, seed, "
+                            f"engine_config, revision and the EngineConfig fields: {', '.join(sorted(ENGINE_FIELDS))}")
+        if engine_args:
+            engine_config = (engine_config or EngineConfig()).replace(**engine_args)
         self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed, revision=revision)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from model.config import REQUIRED, described
+
 METHODS = ("ngram", "draft_model")
 # Speculation is off for a step whose running batch is larger than this, per method: measured on
 # the CPU with loadtests/bench_spec_decode.py --backoff (the README's speculative-decoding section):
@@ -16,12 +18,18 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 3, "draft_model": 8}
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    model: str | None = None
-    disable_by_batch_size: int | None = None  # None: the method's DEFAULT_DISABLE_BY_BATCH_SIZE
+    method: str = described(REQUIRED, "`ngram` (proposals copied from earlier in the sequence) or `draft_model` "
+                                      "(proposed by a small model).")
+    num_speculative_tokens: int = described(REQUIRED, "Tokens proposed per step and verified in one forward pass of "
+                                                      "the model.")
+    prompt_lookup_min: int = described(1, "ngram: the shortest n-gram matched against the sequence.")
+    prompt_lookup_max: int = described(4, "ngram: the longest n-gram matched (tried first, down to "
+                                          "prompt_lookup_min).")
+    model: str | None = described(None, "draft_model: the draft, a preset, checkpoint directory or hub id with the "
+                                        "target's vocabulary; required for that method.")
+    disable_by_batch_size: int | None = described(
+        None, "Speculation is off for a step whose running batch is larger than this; None: "
+              + ", ".join(f"{n} for {m}" for m, n in DEFAULT_DISABLE_BY_BATCH_SIZE.items()) + " (measured on the CPU).")
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
