@@ -6,7 +6,7 @@
 The application is one deployment, `EngineDeployment`: each replica is an engine and its own
 HTTP edge. With HAProxy (`service.launch.SERVING_ENV`, the default) HAProxy forwards every
 request to a replica's own port, and when several replicas may serve with prefix caching or
-LoRA adapters on, it asks the `PrefixRoute` deployment which one (service/prefix_route.py). Without HAProxy,
+LoRA adapters on, it asks the `PrefixRoute` deployment which one (service/routing/prefix_route.py). Without HAProxy,
 Serve's Python proxy forwards to the replicas and picks them by load alone.
 
 Arguments are the fields of `AppArgs`; Serve validates them into it (strings from the command
@@ -30,12 +30,12 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from model.config import EngineConfig
 from model.loading.hub import is_hub_id
 from model.loading.loading import is_preset
-from service.admission import admission_capacity
-from service.api import API_KEY_ENV, IngressSettings
-from service.engine_deployment import EngineBackend, EngineDeployment
+from service.engine.admission import admission_capacity
+from service.http.api import API_KEY_ENV, IngressSettings
 from service.launch import haproxy_enabled
-from service.placement import PlacementStrategy, engine_device, replica_resources, warn_if_unplaceable
-from service.prefix_route import PrefixRoute
+from service.replica.engine_deployment import EngineBackend, EngineDeployment
+from service.replica.placement import PlacementStrategy, engine_device, replica_resources, warn_if_unplaceable
+from service.routing.prefix_route import PrefixRoute
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class AppArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     # tensor parallelism: the model sharded over this many workers (Ray actors, one per rank, each
     # with tp_worker_num_cpus CPUs and on GPU one GPU) in a placement group Serve reserves per
-    # replica, placed by placement_group_strategy (service/placement.py); pipeline parallelism: 1 only
+    # replica, placed by placement_group_strategy (service/replica/placement.py); pipeline parallelism: 1 only
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     tp_worker_num_cpus: float = Field(1.0, gt=0)
@@ -180,14 +180,13 @@ def wants_prefix_router(args: AppArgs, behind_front: bool = False) -> bool:
 
 
 def router_options(args: AppArgs) -> dict[str, Any]:
-    """Deployment options for the engine with the prefix router: `PrefixAwareRouter` (service/router.py),
+    """Deployment options for the engine with the prefix router: `PrefixAwareRouter` (service/routing/router.py),
     weighing replicas by the load (and resident adapters) each reports every second."""
     kwargs = {"block_size": args.block_size, "imbalance_threshold": args.routing_imbalance_threshold,
               "route_by_prefix": args.enable_prefix_caching}
-    return {"request_router_config": RequestRouterConfig(request_router_class="service.router.PrefixAwareRouter",
-                                                         request_router_kwargs=kwargs,
-                                                         request_routing_stats_period_s=1.0,
-                                                         request_routing_stats_timeout_s=5.0)}
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class="service.routing.router.PrefixAwareRouter", request_router_kwargs=kwargs,
+        request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)}
 
 
 def serves_lora(args: AppArgs) -> bool:

@@ -9,7 +9,7 @@ its own `EngineDeployment` (own replicas, admission limits, request router, metr
 `model_name`). In front of them sits `ModelRouter`, the app's ingress: it reads the body's
 `model` (a served name, one of its LoRA adapters, or `<served>:<adapter>` for a model with
 lora_dynamic_path), forwards the whole HTTP request to that model's deployment through a
-streaming handle (service/asgi_forward.py) and streams the replica's own answer back, byte for
+streaming handle (service/http/asgi_forward.py) and streams the replica's own answer back, byte for
 byte. `GET /v1/models` lists every model and its adapters; an unknown `model` is the edge's 404.
 A request without `model` goes to the first model.
 
@@ -40,13 +40,13 @@ from ray import serve
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from service.anthropic.routes import MESSAGES_PATH, anthropic_error_response
-from service.api import API_KEY_ENV, MAX_DRAIN_BYTES, ApiKeyMiddleware, HeaderLimitMiddleware, error_response
 from service.app import UNBOUNDED_ONGOING, AppArgs, compose_app, wants_prefix_router
-from service.asgi_forward import ForwardedRequest, ResponseStart
-from service.engine_call import OverloadPolicy
-from service.errors import APIError
+from service.http.api import API_KEY_ENV, MAX_DRAIN_BYTES, ApiKeyMiddleware, HeaderLimitMiddleware, error_response
+from service.http.asgi_forward import ForwardedRequest, ResponseStart
+from service.http.engine_call import OverloadPolicy
+from service.http.errors import APIError
 from service.openai.serving import OpenAIServing
-from service.router import RoutingPrompt
+from service.routing.router import RoutingPrompt
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from service.api import IngressSettings, build_api
-from service.engine_call import OverloadPolicy
-from service.engine_deployment import EngineHost
+from service.http.api import IngressSettings, build_api
+from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
+from service.replica.engine_deployment import EngineHost
 
 
 class NullMetrics:

@@ -28,8 +28,8 @@ from in_process import edge_app
 from ingress_stub import StubEngine, stub_ingress
 from local_serve import SharedServe
 from model.loading.tokenizer import ByteTokenizer
-from service.api import IngressSettings, build_api
-from service.engine_loop import EngineFailure
+from service.engine.engine_loop import EngineFailure
+from service.http.api import IngressSettings, build_api
 from tiny_models import write_tiny_llama
 
 MODEL = "tiny-qwen3"

@@ -154,8 +154,8 @@ def test_unsupported_module_is_reported(last_dir: Path, tmp_path: Path) -> None:
 
 def _edge(directory: Path, body_limit: int = 1 << 20, capacity: int = -1, api_key: str | None = None) -> Any:
     """An async context: (httpx client of the replica's app over a real EngineHost, engine)."""
-    from service.api import IngressSettings
-    from service.engine_call import OverloadPolicy
+    from service.http.api import IngressSettings
+    from service.http.engine_call import OverloadPolicy
 
     engine = Engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
 
@@ -243,7 +243,7 @@ def test_batcher_runs_queued_requests_together_within_the_token_budget() -> None
 
 
 def test_run_between_steps_gives_results_and_errors_and_keeps_the_loop_alive() -> None:
-    from service.engine_loop import EngineFailure, EngineLoop
+    from service.engine.engine_loop import EngineFailure, EngineLoop
 
     class IdleEngine:
         def stats(self) -> None:

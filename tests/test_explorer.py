@@ -18,7 +18,7 @@ import torch
 from local_serve import SharedServe
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from service.attention_api import display_tokens
+from service.http.attention_api import display_tokens
 from serve_fixtures import in_ci
 from tiny_models import torch_threads
 

@@ -28,7 +28,7 @@ import requests
 import torch
 
 from local_serve import write_tiny_checkpoint
-from service.engine_deployment import GAUGE_REFRESH_S
+from service.replica.engine_deployment import GAUGE_REFRESH_S
 from serve_fixtures import METRICS_INTERVAL_MS, scrape, wait_until
 from tiny_models import build_tiny_llama, torch_threads, write_tiny_llama
 
@@ -94,7 +94,7 @@ def test_the_forwarded_request_gets_the_edge_answer_and_a_cancel_aborts(ckpts: d
     from in_process import edge_app
     from model.config import EngineConfig
     from model.engine.engine import Engine
-    from service.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
+    from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 
     def fwd(body: dict[str, Any], path: str = "/v1/completions") -> ForwardedRequest:
         raw = json.dumps(body).encode()

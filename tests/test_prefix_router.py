@@ -14,8 +14,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import ReplicaID
 
 from model.sampling.params import SamplingParams
-from service.engine_loop import SubRequest
-from service.router import PrefixAwareRouter
+from service.engine.engine_loop import SubRequest
+from service.routing.router import PrefixAwareRouter
 
 DEPLOYMENT = DeploymentID(name="EngineDeployment", app_name="qkv")
 DEPLOYMENT_SOURCE = DeploymentHandleSource.UNKNOWN
@@ -35,7 +35,7 @@ def pending(rid: str, prompt: list[int], lora: str | None = None) -> SimpleNames
 
 
 def pick(prompt: list[int], lora: str | None = None) -> SimpleNamespace:
-    """A pick-only call as service/prefix_route.py makes it (a `RoutingPrompt` look-alike)."""
+    """A pick-only call as service/routing/prefix_route.py makes it (a `RoutingPrompt` look-alike)."""
     return SimpleNamespace(args=[SimpleNamespace(prompt_token_ids=prompt, lora=lora)], kwargs={},
                            metadata=SimpleNamespace(internal_request_id="pick"))
 
@@ -82,7 +82,7 @@ def test_routes_by_prefix_unless_the_holder_is_much_busier() -> None:
 
 
 def test_a_pick_only_routing_prompt_is_remembered_by_its_shape_not_its_class() -> None:
-    """HAProxy's path (service/prefix_route.py): nothing is dispatched through the router, so the
+    """HAProxy's path (service/routing/prefix_route.py): nothing is dispatched through the router, so the
     pick itself makes the owner. Serve ships the router by value, so the argument's class is a
     different object from the router's own `RoutingPrompt`: any object with the ids counts."""
     async def scenario() -> None:

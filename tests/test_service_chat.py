@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from service.errors import APIError
+from service.http.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from service.http.errors import APIError
 from service.openai.protocol import ChatMessage
 
 # The shape of many HF templates: a bos token, a check that raises, roles in brackets.

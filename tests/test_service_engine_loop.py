@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 from model.config import EngineConfig
 from model.engine.engine import Engine
 from model.sampling.params import SamplingParams
-from service.admission import AdmissionGate, admission_capacity
-from service.api import IngressSettings, build_api
-from service.engine_loop import IDLE_WAKEUP_S, EngineFailure, EngineLoop, SubRequest
+from service.engine.admission import AdmissionGate, admission_capacity
+from service.engine.engine_loop import IDLE_WAKEUP_S, EngineFailure, EngineLoop, SubRequest
+from service.http.api import IngressSettings, build_api
 from local_serve import write_tiny_checkpoint
 
 
@@ -253,10 +253,10 @@ class _CountingMetrics:
 
 
 def test_a_lagging_stream_gets_every_step_since_its_last_read_in_one_batch(engine: Engine) -> None:
-    """The replica's stream (service/engine_deployment.py): a reader that comes back late takes
+    """The replica's stream (service/replica/engine_deployment.py): a reader that comes back late takes
     every delta delivered meanwhile at once, in order, nothing lost; the step thread woke the
     event loop once per step for all streams, not once per request."""
-    from service.engine_deployment import EngineHost
+    from service.replica.engine_deployment import EngineHost
 
     async def run() -> None:
         metrics = _CountingMetrics()
@@ -296,7 +296,7 @@ def test_a_lagging_stream_gets_every_step_since_its_last_read_in_one_batch(engin
 
 
 def test_cancelling_a_stream_aborts_its_requests_and_frees_their_blocks(engine: Engine) -> None:
-    from service.engine_deployment import EngineHost
+    from service.replica.engine_deployment import EngineHost
 
     async def run() -> None:
         metrics = _CountingMetrics()
@@ -326,7 +326,7 @@ import asyncio, ctypes, sys
 import torch
 from model.config import EngineConfig
 from model.engine.engine import Engine
-from service.engine_loop import EngineLoop
+from service.engine.engine_loop import EngineLoop
 
 torch.set_num_threads(2)  # as the replica does, on its own thread, before the loop starts
 gomp = next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line)

@@ -182,7 +182,7 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
     events = _burst(base_url, body, BURST)
     admitted = [e for e in events if e[1] == 200]
     rejected = [e for e in events if e[1] != 200]
-    # The replica admits at most max_ongoing + max_queued at once (service/admission.py:
+    # The replica admits at most max_ongoing + max_queued at once (service/engine/admission.py:
     # Serve's own count lets a few more in under a burst). Serve's router may turn away a few
     # that would fit (its queue count includes requests about to be assigned), never more.
     assert MAX_ONGOING <= len(admitted) <= MAX_ONGOING + MAX_QUEUED

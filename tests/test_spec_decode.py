@@ -263,9 +263,9 @@ def test_counters_and_backoff(models) -> None:
     assert sum(st.spec_decode_num_accepted_per_position) == st.spec_decode_num_accepted_tokens
     assert sum(st.spec_decode_num_drafts_per_position) == st.spec_decode_num_draft_tokens
     assert all(a <= d for a, d in zip(st.spec_decode_num_accepted_per_position, st.spec_decode_num_drafts_per_position))
-    # The service's export (service/metrics.py): counters get the totals' increments, the gauge
+    # The service's export (service/engine/metrics.py): counters get the totals' increments, the gauge
     # the rate per position (Ray's metric objects, their inc/set recorded)
-    from service.metrics import EngineMetrics
+    from service.engine.metrics import EngineMetrics
 
     metrics, calls = EngineMetrics("tiny"), []
     assert metrics.spec_drafts._name == "qkv_spec_decode_num_draft_tokens_total"

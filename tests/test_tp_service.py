@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from serve_fixtures import health_status, read_rayservice, sse_payloads
 from service.app import AppArgs, compose_app
-from service.placement import engine_device, replica_resources, warn_if_unplaceable
+from service.replica.placement import engine_device, replica_resources, warn_if_unplaceable
 from tiny_models import torch_threads
 
 HTTP_PORT, DASHBOARD_PORT, METRICS_PORT = 18370, 18371, 18372

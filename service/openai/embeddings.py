@@ -4,7 +4,7 @@ Embeddings run on the replica's step thread between engine steps (`EngineLoop.ru
 so one thread does the replica's torch work and a step never races an embedding forward. The
 requests that arrive while a step runs are embedded together in the next gap, in one forward
 pass of prefill chunks (`model.engine.embedder.Embedder`) that keeps no KV. Each request passes
-the replica's admission gate and deadline like a completion (`service.engine_call.EngineCall`).
+the replica's admission gate and deadline like a completion (`service.http.engine_call.EngineCall`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from starlette.responses import Response
 
 from model.loading.pooling_config import check_embedding_inputs
 from model.sampling.request_checks import RequestError
-from service.engine_loop import EngineFailure
-from service.errors import APIError
+from service.engine.engine_loop import EngineFailure
+from service.http.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class EmbeddingBatcher:
     at least) of the requests queued, oldest first; what is left waits for the next gap, so a
     large request delays a generation step by one batch, never by the whole request."""
 
-    loop: Any  # service.engine_loop.EngineLoop
+    loop: Any  # service.engine.engine_loop.EngineLoop
     embedder: Any  # model.engine.embedder.Embedder
     _pending: list[_Job] = field(default_factory=list)
     _scheduled: bool = False  # a gap is asked for (touched on the event loop only)

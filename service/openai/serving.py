@@ -3,7 +3,7 @@
 Everything a client can get wrong is checked here, before the engine sees it, and becomes an
 `APIError` (400 naming the parameter); checks that need the model are `model.sampling.request_checks`,
 the same function the engine calls. One HTTP request is one engine call
-(`service.engine_call`) carrying all its (prompt, choice) pairs, so Serve's admission limits
+(`service.http.engine_call`) carrying all its (prompt, choice) pairs, so Serve's admission limits
 count HTTP requests.
 """
 
@@ -20,14 +20,14 @@ from model.engine.sequence import RequestOutput
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import RequestError, check_request, check_token_ids
 from model.sampling.structured import check_structured
-from service.admission import AdmissionGate
-from service.chat_run import ChatRun
-from service.chat_template import ChatTemplate
-from service.engine_call import EngineCall, OverloadPolicy
-from service.engine_loop import SubRequest
-from service.errors import APIError, from_value_error, overloaded_error
+from service.engine.admission import AdmissionGate
+from service.engine.engine_loop import SubRequest
+from service.engine.model_info import ModelInfo
+from service.http.chat_run import ChatRun
+from service.http.chat_template import ChatTemplate
+from service.http.engine_call import EngineCall, OverloadPolicy
+from service.http.errors import APIError, from_value_error, overloaded_error
 from service.openai.formats import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
-from service.model_info import ModelInfo
 from service.openai.protocol import (SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt,
                                      TokenizeRequest)
 from service.tools.answer import AnswerPlan, plan_answer
@@ -42,7 +42,7 @@ MAX_CHOICES_TOTAL = 64  # n x prompts in one request
 
 class OpenAIServing:
     """Completions and chat completions over one engine (`engine.generate(requests)` returns a
-    stream: `service.engine_deployment.EngineHost` in the replica, a stand-in in some tests)."""
+    stream: `service.replica.engine_deployment.EngineHost` in the replica, a stand-in in some tests)."""
 
     def __init__(self, info: ModelInfo, engine: Any, overload: OverloadPolicy,
                  request_timeout_s: float | None = None, tool_call_parser: str = "auto",
@@ -98,7 +98,7 @@ class OpenAIServing:
         """The prompt token ids a completions or chat request body will run with and the LoRA
         adapter it names (None: the base model), or None when the body is not a valid one (the
         replica then answers it with the error): what the prefix router routes by
-        (service/prefix_route.py)."""
+        (service/routing/prefix_route.py)."""
         try:
             if b'"messages"' in body:
                 chat = ChatCompletionRequest.model_validate_json(body)
@@ -201,7 +201,7 @@ class OpenAIServing:
 
     async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Admit and start a chat request (the internal request of every chat-like API) and
-        return its run, which yields answer events (service/chat_run.py). Raises APIError for a
+        return its run, which yields answer events (service/http/chat_run.py). Raises APIError for a
         bad request or when overloaded, before anything is queued."""
         self.check_model(req.model)
         text, ids = self.chat_prompt(req)

@@ -8,7 +8,7 @@ leading blocks, unless that replica is much busier than the least busy one
 of two choices": two random replicas, the less busy first.
 
 It runs where replicas are picked. With HAProxy (the default), HAProxy asks the prefix-route
-deployment (service/prefix_route.py) for each request's replica; that deployment tokenizes the
+deployment (service/routing/prefix_route.py) for each request's replica; that deployment tokenizes the
 body and calls `choose_replica` with a `RoutingPrompt`, and this router, which only picks there
 (nothing is dispatched through it), records the pick as the prefix's owner itself and weighs
 replicas by the requests each reports in its engine (`record_routing_stats`, polled by Serve).

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine_call import EngineCall
+from service.http.engine_call import EngineCall
 from service.openai.formats import ChoiceState, cached_tokens
 from service.tools.answer import AnswerEvent, AnswerPlan, answer_finish_reason
 from service.tools.reasoning import count_reasoning_tokens

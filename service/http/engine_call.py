@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.engine.sequence import RequestOutput
-from service.admission import AdmissionGate
-from service.engine_loop import EngineFailure, SubRequest
-from service.errors import APIError
+from service.engine.admission import AdmissionGate
+from service.engine.engine_loop import EngineFailure, SubRequest
+from service.http.errors import APIError
 
 @dataclass(frozen=True)
 class OverloadPolicy:
@@ -22,13 +22,13 @@ class OverloadPolicy:
 
     status: int = 503
     retry_after_s: float = 1.0
-    capacity: int = -1  # requests admitted at once by this replica (service/admission.py)
+    capacity: int = -1  # requests admitted at once by this replica (service/engine/admission.py)
 
 
 class EngineCall:
     """The engine call of one HTTP request: started, read batch by batch, cancelled.
 
-    `engine.generate(requests)` returns a stream (`service.engine_deployment.EngineStream`):
+    `engine.generate(requests)` returns a stream (`service.replica.engine_deployment.EngineStream`):
     `await stream.__anext__()` gives a list of deltas or an `EngineFailure`, `cancel()` aborts."""
 
     def __init__(self, engine: Any, requests: list[SubRequest], gate: AdmissionGate,

@@ -6,7 +6,7 @@ token deltas to it in the same process: the step thread hands every step's outpu
 event loop in one wake-up, and each HTTP stream takes, when it next writes, everything that
 accumulated for it since (deltas merge when a client reads slower than the engine writes). No
 token crosses a Ray process boundary. `EngineDeployment` is the Ray Serve deployment around it:
-its FastAPI app (`service.api.build_api`) validates, tokenizes, formats and streams.
+its FastAPI app (`service.http.api.build_api`) validates, tokenizes, formats and streams.
 
 New requests join the running batch between steps (continuous batching, not `@serve.batch`).
 A client that goes away aborts its sequences, so their KV blocks are freed by the next step. A
@@ -37,12 +37,12 @@ from ray import serve
 
 from model.config import EngineConfig
 from model.engine.sequence import RequestOutput
-from service.api import API_KEY_ENV, IngressSettings, build_api
-from service.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
-from service.engine_call import OverloadPolicy
-from service.engine_loop import EngineFailure, EngineLoop, SubRequest, TorchThread, _Sink
-from service.metrics import EngineMetrics
-from service.model_info import ModelInfo
+from service.engine.engine_loop import EngineFailure, EngineLoop, SubRequest, TorchThread, _Sink
+from service.engine.metrics import EngineMetrics
+from service.engine.model_info import ModelInfo
+from service.http.api import API_KEY_ENV, IngressSettings, build_api
+from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
+from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)

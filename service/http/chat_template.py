@@ -31,7 +31,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from service.errors import APIError
+from service.http.errors import APIError
 from service.openai.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ HAProxy's Lua action posts the head of each request's body to `POST /internal/ro
 deployment tokenizes it exactly as the replica will (`OpenAIServing.routing_prompt`: the
 completions prompt, or the chat template over the messages, and the LoRA adapter its `model`
 names) and asks the engine deployment's
-request router (`service.router.PrefixAwareRouter`) for a replica without dispatching anything;
+request router (`service.routing.router.PrefixAwareRouter`) for a replica without dispatching anything;
 HAProxy then forwards the request straight to that replica's own HTTP port and streams the
 answer back. One call per request, none per token. A body that is not a valid request (or is
 too large for HAProxy to pass on whole) is routed by load alone; the replica answers its error.
@@ -22,9 +22,9 @@ from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.responses import JSONResponse
 
-from service.engine_call import OverloadPolicy
+from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
-from service.router import RoutingPrompt
+from service.routing.router import RoutingPrompt
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from starlette.responses import Response
 
 from model.inspect.attention_spec import AttentionRequestError, AttentionSpec, check_attention
 from model.sampling.params import SamplingParams
-from service.engine_loop import SubRequest
-from service.errors import APIError
+from service.engine.engine_loop import SubRequest
+from service.http.errors import APIError
 from service.openai.protocol import ChatMessage
 
 MAX_INDEXES = 4096

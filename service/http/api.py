@@ -1,5 +1,5 @@
 """The HTTP edge: FastAPI routes of the OpenAI-compatible API, served by each engine replica
-(`service.engine_deployment.EngineDeployment`) in the engine's own process.
+(`service.replica.engine_deployment.EngineDeployment`) in the engine's own process.
 
 Bodies are read here (with a size cap, 413 past it; headers too, 431 past theirs) and validated
 by the Pydantic models in `protocol.py`; every failure leaves as the OpenAI error shape, never
@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthropic_error_response
-from service.attention_api import add_attention_routes
-from service.errors import APIError, from_validation_error
+from service.http.attention_api import add_attention_routes
+from service.http.errors import APIError, from_validation_error
 from service.openai.embeddings import add_embeddings_routes
 from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from service.openai.responses_api import add_responses_routes
@@ -49,7 +49,7 @@ class IngressSettings:
     max_header_bytes: int = 32 * 1024  # request line target plus every header name and value
     overload_status: int = 503
     retry_after_s: float = 1.0
-    admission_capacity: int = -1  # requests one replica admits at once (service/admission.py); -1: no limit
+    admission_capacity: int = -1  # requests one replica admits at once (service/engine/admission.py); -1: no limit
     request_timeout_s: float | None = None  # whole-request deadline; None: none
     max_attention_floats: int = 1 << 20  # the most weights one /v1/attention answer may hold
     tool_call_parser: str = "auto"  # service/tools/formats.py: auto (from the chat template), none, or a format
