@@ -6,6 +6,11 @@
   (every import statement, lazy ones inside functions included).
 - The building blocks sit below what uses them: model.layers imports only model.config and
   itself; model.models and model.inspect only those and model.layers.
+- service/'s parts the same way: service.engine (the step loop, gate, metrics) imports no other
+  part; the HTTP edge (service.http and the API families) only service.engine; the replica's
+  deployment and the routing, which both stand on the edge, not each other; service.launch
+  nothing (it runs before Ray Serve is imported). The app on top (app.py, multi_model.py) may
+  import any part.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "model"
+SERVICE = REPO / "service"
 
 TORCH_FREE = [
     "model.engine.sequence",
@@ -38,6 +44,17 @@ ALLOWED_BELOW = {
     "layers": {"config", "layers"},
     "models": {"config", "layers", "models"},
     "inspect": {"config", "layers", "inspect"},
+}
+
+# service part -> the service parts it may import (a part: a sub-package, or a module at the top)
+EDGE = {"engine", "http", "openai", "anthropic", "tools"}
+SERVICE_ALLOWED = {
+    "engine": {"engine"},
+    "tools": {"tools"},  # tool-call parsing knows nothing of HTTP or the engine
+    "http": EDGE, "openai": EDGE, "anthropic": EDGE,
+    "replica": EDGE | {"replica"},
+    "routing": EDGE | {"routing"},
+    "launch": set(),
 }
 
 
@@ -60,12 +77,33 @@ def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
     return found
 
 
-def model_imports() -> list[tuple[Path, int, str]]:
-    """(file, line, module) of every import in every file under model/."""
-    files = sorted(MODEL.rglob("*.py"))
-    assert len(files) > 30, "model/ should hold the package's modules"
+def package_imports(root: Path) -> list[tuple[Path, int, str]]:
+    """(file, line, module) of every import in every file under `root`."""
+    files = sorted(root.rglob("*.py"))
+    assert len(files) > 30, f"{root.name}/ should hold the package's modules"
     return [(path, line, name) for path in files
             for line, name in imported_modules(path.read_text(), ".".join(path.relative_to(REPO).parts[:-1]))]
+
+
+def model_imports() -> list[tuple[Path, int, str]]:
+    return package_imports(MODEL)
+
+
+def service_part(parts: tuple[str, ...] | list[str]) -> str | None:
+    """The part of service/ that a module's dotted name below `service` falls in: its sub-package,
+    or the module itself at the top (`app`, `launch`); None for the package itself."""
+    return parts[0].removesuffix(".py") if parts and parts[0] != "__init__.py" else None
+
+
+def service_layering_offences(imports: list[tuple[Path, int, str]]) -> list[str]:
+    offences = []
+    for path, line, name in imports:
+        part = service_part(path.relative_to(SERVICE).parts)
+        parts = name.split(".")
+        if part in SERVICE_ALLOWED and parts[0] == "service" and len(parts) > 1 \
+                and service_part(parts[1:]) not in SERVICE_ALLOWED[part]:
+            offences.append(f"{path.relative_to(REPO)}:{line} imports {name}")
+    return offences
 
 
 def test_imported_modules_sees_every_kind_of_import() -> None:
@@ -99,3 +137,23 @@ def test_building_blocks_do_not_import_what_is_built_on_them() -> None:
         if part in ALLOWED_BELOW and parts[0] == "model" and len(parts) > 1 and parts[1] not in ALLOWED_BELOW[part]:
             offences.append(f"{path.relative_to(REPO)}:{line} imports {name}")
     assert not offences, "\n".join(offences)
+
+
+def test_service_parts_import_only_the_parts_below_them() -> None:
+    parts = {service_part(path.relative_to(SERVICE).parts) for path in SERVICE.rglob("*.py")}
+    assert set(SERVICE_ALLOWED) <= parts, "a part named in SERVICE_ALLOWED is missing from service/"
+    offences = service_layering_offences(package_imports(SERVICE))
+    assert not offences, "service/ imports against its layering:\n" + "\n".join(offences)
+
+
+def test_service_layering_catches_a_wrong_way_import() -> None:
+    wrong = [(SERVICE / "engine" / "engine_loop.py", 1, "service.http.errors"),
+             (SERVICE / "http" / "api.py", 2, "service.replica.engine_deployment"),
+             (SERVICE / "routing" / "router.py", 3, "service.app"),
+             (SERVICE / "replica" / "engine_deployment.py", 4, "service.routing.router"),
+             (SERVICE / "launch.py", 5, "service.app")]
+    right = [(SERVICE / "openai" / "serving.py", 6, "service.engine.engine_loop"),
+             (SERVICE / "replica" / "engine_deployment.py", 7, "service.http.api"),
+             (SERVICE / "app.py", 8, "service.routing.prefix_route")]
+    offences = service_layering_offences(wrong + right)
+    assert [int(offence.split(":")[1].split()[0]) for offence in offences] == [1, 2, 3, 4, 5], offences
