@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "loadtests"))
+sys.path.insert(0, str(REPO))  # loadtests/ is not installed
 
-from openai_workload import RequestResult, read_json, read_stream  # noqa: E402
+from loadtests.openai_workload import RequestResult, read_json, read_stream  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

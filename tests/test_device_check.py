@@ -1,4 +1,4 @@
-"""`loadtests/device_check.py --dry-run`: the GPU check's whole sequence on the CPU with tiny
+"""`loadtests/tools/device_check.py --dry-run`: the GPU check's whole sequence on the CPU with tiny
 shapes, as a subprocess (as it runs on the device machine), so that it cannot fail there for a typo;
 and a check that could not run (no transformers) fails rather than passes."""
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_dry_run_walks_every_check_and_writes_its_json(tmp_path) -> None:
     out = tmp_path / "device_check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "loadtests" / "device_check.py"), "--dry-run", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "loadtests" / "tools" / "device_check.py"), "--dry-run", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -45,7 +45,7 @@ def test_dry_run_walks_every_check_and_writes_its_json(tmp_path) -> None:
 
 def test_what_could_not_be_checked_fails(tmp_path, monkeypatch) -> None:
     """Without transformers the parity check has nothing to compare with: a failure, not a pass."""
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "loadtests" / "device_check.py")
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "loadtests" / "tools" / "device_check.py")
     device_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "device_check", device_check)  # its dataclasses look it up
     spec.loader.exec_module(device_check)

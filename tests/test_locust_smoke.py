@@ -1,6 +1,6 @@
 """Locust against the real service: a short headless run of loadtests/locustfile.py must not
 fail a single request, its CSV and per-request records must show every scenario, and
-loadtests/load_report.py must summarise it (and exit non-zero when an SLO is missed).
+loadtests/tools/load_report.py must summarise it (and exit non-zero when an SLO is missed).
 The SSE checks that make a request fail are tested without a server.
 """
 
@@ -18,8 +18,8 @@ import pytest
 from local_serve import SharedServe
 from serve_fixtures import REPO, write_tiny_model
 
-from openai_workload import RequestResult, StreamError, read_stream  # on sys.path via serve_fixtures
-from report_summary import Slo, summarize
+from loadtests.openai_workload import RequestResult, StreamError, read_stream  # on sys.path via serve_fixtures
+from loadtests.tools.report_summary import Slo, summarize
 
 USERS, RUN_TIME = 4, "15s"
 SHORT_MAX, LONG_MAX = 8, 16
@@ -113,7 +113,7 @@ def test_locust_smoke_serves_every_scenario_without_a_failure(service: str, tmp_
     assert all(r["completion_tokens"] == SCENARIOS[r["scenario"]] for r in records)
     assert all(r["ttft"] is not None for r in records if r["stream"])
 
-    report = [sys.executable, str(REPO / "loadtests" / "load_report.py"), "--from-records", "--users", str(USERS),
+    report = [sys.executable, str(REPO / "loadtests" / "tools" / "load_report.py"), "--from-records", "--users", str(USERS),
               "--out", str(tmp_path)]
     ok = subprocess.run(report, capture_output=True, text=True, timeout=120, check=False)
     assert ok.returncode == 0, ok.stdout + ok.stderr

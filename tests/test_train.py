@@ -101,7 +101,7 @@ def test_build_includes_the_project_documents() -> None:
 
 
 def test_unscaled_dot_attention_only_drops_one_over_sqrt_dk() -> None:
-    """The ablation of loadtests/attention_claims.py: scores are q.k instead of q.k / sqrt(d_k)."""
+    """The ablation of loadtests/benchmarks/attention_claims.py: scores are q.k instead of q.k / sqrt(d_k)."""
     from model.layers.attention import DotScore
 
     gen = torch.Generator().manual_seed(0)

@@ -141,13 +141,13 @@ class TorchThread:
 
     Why one thread: in the service, with the engine built on another thread (asyncio.to_thread)
     and stepped on a new one, the step's threads got 1.07-1.17 cores at 16 and 32 clients
-    (`loadtests/bench_service.py`, five runs) where the bare engine gets 1.85; built and stepped
+    (`loadtests/benchmarks/bench_service.py`, five runs) where the bare engine gets 1.85; built and stepped
     here, 1.60-1.75 (two runs), and the service made about 1.1-1.2x the tokens (medians across
     runs). Why it helps is not established: OpenMP's thread count is per thread (MKL alone in a new
     thread ran on OMP_NUM_THREADS, which Ray sets to the replica's CPUs), but the first ATen
     parallel op of a thread applies torch's count there, so the engine's steps were not on one
     core for that reason; and with more OpenMP threads than cores (the builder's idle team
-    counts) libgomp shortens its spin-waits, but `loadtests/bench_step_thread.py`, the same
+    counts) libgomp shortens its spin-waits, but `loadtests/benchmarks/bench_step_thread.py`, the same
     layouts without Ray, showed no difference (1.10x, spread 0.82-1.15, with a busy neighbour).
     This thread sets torch's count itself before any work."""
 

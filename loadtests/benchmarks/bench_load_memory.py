@@ -4,7 +4,7 @@ saved in bf16, loaded into float32 on the CPU, in a fresh process.
 Reports the process's peak resident set (VmHWM) against its resident set just before the
 load, and compares the growth with one float32 copy of the model (the lower bound).
 
-    .venv/bin/python loadtests/bench_load_memory.py [--dir /tmp/qkv-qwen-shape] [--out results/bench_load_memory.json]
+    .venv/bin/python loadtests/benchmarks/bench_load_memory.py [--dir /tmp/qkv-qwen-shape] [--out results/bench_load_memory.json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # Runs in the child: import first (torch's own memory is not the load's), then load.
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench_load_memory.json")
     args = ap.parse_args()
     if not (Path(args.dir) / "config.json").is_file():
-        from loadtests.random_checkpoint import write_random_checkpoint
+        from loadtests.tools.random_checkpoint import write_random_checkpoint
 
         write_random_checkpoint(args.dir, args.shape)
     report(args.dir, args.dtype, args.out, "checkpoint files (bf16)")

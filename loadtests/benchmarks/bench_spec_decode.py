@@ -2,9 +2,9 @@
 ngram / draft model at batch 1, 4 and 32, on a workload whose prompt asks for a copy of itself and
 one that does not. Prints a table and writes JSON.
 
-    python loadtests/bench_spec_decode.py --out spec_decode.json   # transformer-base-trained + its draft
-    python loadtests/bench_spec_decode.py --backoff                # where speculation stops paying
-    python loadtests/bench_spec_decode.py --quick                  # tiny models, a minute at most
+    python loadtests/benchmarks/bench_spec_decode.py --out spec_decode.json   # transformer-base-trained + its draft
+    python loadtests/benchmarks/bench_spec_decode.py --backoff                # where speculation stops paying
+    python loadtests/benchmarks/bench_spec_decode.py --quick                  # tiny models, a minute at most
 
 Greedy, `ignore_eos`, 128 tokens per prompt. Batch B runs max(2B, --prompts) prompts in groups of
 B (batch 1: one prompt after another). Every method has its engine built once; each round runs
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
@@ -41,7 +41,7 @@ from model.engine.engine import Engine  # noqa: E402
 from model.engine.scheduler import ScheduledSeq  # noqa: E402
 from model.layers.linear import dense  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
-from profile_step import fill  # noqa: E402  (this script's folder)
+from loadtests.profilers.profile_step import fill  # noqa: E402
 
 # The default model (and the draft trained for it) learned 256-byte windows and held out the corpus's
 # tail: its last modules' pydoc text is what the workloads are cut from, and every prompt plus its

@@ -6,10 +6,10 @@ our loader in a fresh process, which stacks each layer's experts into (E, ...) p
 The checkpoint is written once (to --dir, if it holds no config.json yet). Reports the
 process's peak resident set against its resident set just before the load, next to the
 checkpoint's size and one copy of the model at the target dtype (the lower bound), with
-`loadtests/bench_load_memory.py`'s measurement.
+`loadtests/benchmarks/bench_load_memory.py`'s measurement.
 
-    .venv/bin/python loadtests/moe_load_memory.py [--dir /tmp/qkv-qwen3-moe-1b-bf16] [--dtype bfloat16]
-    .venv/bin/python loadtests/moe_load_memory.py --shape tiny-moe-shape --dir /tmp/qkv-moe-tiny   # a smoke run
+    .venv/bin/python loadtests/benchmarks/moe_load_memory.py [--dir /tmp/qkv-qwen3-moe-1b-bf16] [--dtype bfloat16]
+    .venv/bin/python loadtests/benchmarks/moe_load_memory.py --shape tiny-moe-shape --dir /tmp/qkv-moe-tiny   # a smoke run
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from loadtests.bench_load_memory import report  # noqa: E402
+from loadtests.benchmarks.bench_load_memory import report  # noqa: E402
 
 COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=4096, norm_topk_prob=True,
               tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=None, use_sliding_window=False)

@@ -5,7 +5,7 @@ in attention over the paged KV cache.
 the fused kernel); `kv write` is storing the step's K/V into the cache. Both are measured as
 record_function ranges around those calls, so they include every op they run.
 
-    .venv/bin/python loadtests/profile_step.py [--batch 1,64] [--context 270] [--backend fused,gather]
+    .venv/bin/python loadtests/profilers/profile_step.py [--batch 1,64] [--context 270] [--backend fused,gather]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402

@@ -8,9 +8,9 @@ Per path: tokens/s, TTFT and inter-chunk latency percentiles, tokens per SSE chu
 generated token of the serving path (HAProxy, the engine replica outside its step, the front),
 with the front's share shown apart.
 
-    .venv/bin/python loadtests/bench_multi_model.py [--model transformer-base] [--concurrency 1 16]
+    .venv/bin/python loadtests/benchmarks/bench_multi_model.py [--model transformer-base] [--concurrency 1 16]
         [--threads 2] [--out results/bench_multi_model.json]
-    .venv/bin/python loadtests/bench_multi_model.py --quick   # tiny model, a few requests: checks it runs
+    .venv/bin/python loadtests/benchmarks/bench_multi_model.py --quick   # tiny model, a few requests: checks it runs
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_service  # noqa: E402  (applies the serving settings before Ray Serve is imported)
-from bench_service import SERVE_ENV, cpu_snapshot, cpu_used, requests_for, run_service, workload  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from loadtests.benchmarks import bench_service  # noqa: E402  (applies the serving settings before Ray Serve is imported)
+from loadtests.benchmarks.bench_service import (  # noqa: E402
+    SERVE_ENV, cpu_snapshot, cpu_used, requests_for, run_service, workload)
 
 import ray  # noqa: E402
 import requests  # noqa: E402

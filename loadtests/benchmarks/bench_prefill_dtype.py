@@ -5,7 +5,7 @@ at a time (max_tokens 1), best of `--repeats`, each dtype in turn and the whole 
 `--rounds` times; it also reports the matmul rate of each dtype (a 256 x 768 x 3072 product,
 one of the prefill's own shapes). bfloat16 matmuls run on AVX512-BF16 where the CPU has it.
 
-    PYTHONPATH=. .venv/bin/python loadtests/bench_prefill_dtype.py [--prompt-len 256] [--rounds 2]
+    PYTHONPATH=. .venv/bin/python loadtests/benchmarks/bench_prefill_dtype.py [--prompt-len 256] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402

@@ -1,7 +1,7 @@
 """Write a prompt file for GuideLLM (`--data kind=json_file,path=...`): one JSON object a line,
 `prompt` and `output_tokens_count`, prompts made from the same word list as the Locust scenarios.
 
-    .venv/bin/python loadtests/guidellm_data.py --out reports/guidellm_prompts.jsonl
+    .venv/bin/python loadtests/tools/guidellm_data.py --out reports/guidellm_prompts.jsonl
 
 A file instead of GuideLLM's synthetic data, which needs a Hugging Face tokenizer to size its
 prompts (downloaded unless given as a local directory); the service counts the tokens itself.
@@ -12,9 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
-from openai_workload import make_prompt
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loadtests.openai_workload import make_prompt  # noqa: E402
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ Each layout runs in a fresh process started with OMP_NUM_THREADS=1 (what Ray giv
 - `before`: the engine built on a helper thread (the replica's old `asyncio.to_thread`), its steps
   on a new step thread that never set torch's thread count;
 - `set-only`: the same, the step thread calling `torch.set_num_threads` first;
-- `torch-thread`: `service.engine_loop.TorchThread`, one thread that builds the engine and steps it.
+- `torch-thread`: `service.engine.engine_loop.TorchThread`, one thread that builds the engine and steps it.
 The step: `--batch` sequences of a `--context`-token context, one decode step each (the runner's
 `run`, sampling included); the median of `--steps` steps and the process's CPU over them (user +
 system, in cores). Layouts run in turn, `--rounds` times; the table gives each layout's median
@@ -16,7 +16,7 @@ step and its ratio to `torch-thread` per round (median, and the spread).
 bursts, and the layout's process runs at nice 15 (Ray's `worker_niceness`): a replica's situation,
 where HAProxy, the clients and Ray's daemons take short turns on the same cores.
 
-    .venv/bin/python loadtests/bench_step_thread.py [--model transformer-base-trained] [--batch 16]
+    .venv/bin/python loadtests/benchmarks/bench_step_thread.py [--model transformer-base-trained] [--batch 16]
         [--rounds 5] [--noise 0.3] [--out step_thread.json]
 """
 
@@ -32,22 +32,21 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ("before", "set-only", "torch-thread")
 
 
 def child(args: argparse.Namespace) -> None:
     """One layout in this process; prints one JSON line."""
     sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "loadtests"))
     import psutil
     import torch
 
     from model.config import EngineConfig
     from model.engine.engine import Engine
     from model.engine.scheduler import ScheduledSeq
-    from profile_step import fill
-    from service.engine_loop import TorchThread
+    from loadtests.profilers.profile_step import fill
+    from service.engine.engine_loop import TorchThread
 
     torch.set_num_threads(args.threads)
     if args.noise:

@@ -2,14 +2,14 @@
 same 16 rows on the base model alone, and the same 16 base rows on an engine with LoRA turned on
 (the wrappers' cost when no row uses an adapter).
 
-The base is a random checkpoint of a real shape (loadtests/random_checkpoint.py); the adapters
+The base is a random checkpoint of a real shape (loadtests/tools/random_checkpoint.py); the adapters
 are random PEFT-format directories (adapter_config.json + adapter_model.safetensors, written
 here without `peft`) of rank `--rank` on q/k/v/o and the MLP. Each case: the 16 prompts of
 `--prompt` tokens admitted together, `--tokens` greedy tokens each; reported are the whole
 batch's generated tokens/s and the steady decode tokens/s (steps after every row's first token).
 
-    .venv/bin/python loadtests/bench_lora.py [--shape qwen2.5-0.5b-shape] [--rank 16] [--out results/bench_lora.json]
-    .venv/bin/python loadtests/bench_lora.py --quick   # the tiny shape, a few tokens: checks it runs
+    .venv/bin/python loadtests/benchmarks/bench_lora.py [--shape qwen2.5-0.5b-shape] [--rank 16] [--out results/bench_lora.json]
+    .venv/bin/python loadtests/benchmarks/bench_lora.py --quick   # the tiny shape, a few tokens: checks it runs
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.config import EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.sampling.params import SamplingParams  # noqa: E402
-from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
 
 ROWS, ADAPTERS = 16, 4
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

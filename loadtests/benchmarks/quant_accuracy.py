@@ -9,8 +9,8 @@ On the trained default (`transformer-base-trained`, fp16 on disk, run in float32
 - bits per byte on the held-out text: the corpus's last 64 KiB in windows of 256 bytes, as
   tests/test_trained_default.py measures it (0.978 in float32).
 
-    .venv/bin/python loadtests/quant_accuracy.py [--groups 32 64 128] [--held-out-bytes 65536]
-    .venv/bin/python loadtests/quant_accuracy.py --quick   # a few prompts and 8 KiB, to check it runs
+    .venv/bin/python loadtests/benchmarks/quant_accuracy.py [--groups 32 64 128] [--held-out-bytes 65536]
+    .venv/bin/python loadtests/benchmarks/quant_accuracy.py --quick   # a few prompts and 8 KiB, to check it runs
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402

@@ -1,8 +1,8 @@
 """The GPU device check: one command, the project and torch for CUDA only (no Ray, nothing from
 service/), about 5-8 minutes on an H200. Writes one JSON and prints one table.
 
-    python loadtests/device_check.py                   # on the GPU machine
-    python loadtests/device_check.py --dry-run         # the same sequence on the CPU, tiny shapes
+    python loadtests/tools/device_check.py                   # on the GPU machine
+    python loadtests/tools/device_check.py --dry-run         # the same sequence on the CPU, tiny shapes
 
 Checks, in order (each one's failure is recorded and the next still runs; what a check could not
 check, e.g. without `transformers` or past the time budget, is a failure, not a pass):
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

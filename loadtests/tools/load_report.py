@@ -1,6 +1,6 @@
 """Concurrency sweep against a running OpenAI-compatible server, with a report.
 
-    python loadtests/load_report.py --host http://127.0.0.1:8000 --users 1,4,16,32 \
+    python loadtests/tools/load_report.py --host http://127.0.0.1:8000 --users 1,4,16,32 \
         --duration 60s --out reports/run1 --slo-ttft-ms 1000 --slo-itl-ms 200
 
 For each level N it runs headless Locust with N users (loadtests/locustfile.py) for --duration,
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
 
-from report_summary import LevelSummary, Slo, markdown_table, plot, read_records, summarize, write_summary  # noqa: E402
+from loadtests.tools.report_summary import LevelSummary, Slo, markdown_table, plot, read_records, summarize, write_summary  # noqa: E402
 
 logger = logging.getLogger("load_report")
 
@@ -75,7 +75,7 @@ def run_level(args: argparse.Namespace, users: int, level_dir: Path) -> int:
     records = level_dir / "requests.jsonl"
     records.unlink(missing_ok=True)
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
+        sys.executable, "-m", "locust", "-f", str(HERE.parent / "locustfile.py"), "--headless",
         "-u", str(users), "-r", str(users), "-t", args.duration, "-H", args.host,
         "--csv", str(level_dir / "locust"), "--csv-full-history", "--html", str(level_dir / "locust.html"),
         "--records-file", str(records), "--only-summary", "--loglevel", "WARNING",

@@ -1,7 +1,7 @@
 """Random Llama-family checkpoints of real models' shapes, written without `transformers`
 (HF-compatible `config.json` + safetensors shards), for benchmarks and memory measurements.
 
-    .venv/bin/python loadtests/random_checkpoint.py /tmp/qwen-shape [--shape qwen2.5-0.5b-shape] [--dtype bfloat16]
+    .venv/bin/python loadtests/tools/random_checkpoint.py /tmp/qwen-shape [--shape qwen2.5-0.5b-shape] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.loading.checkpoint import CONFIG_FILE, INDEX_FILE, load_config  # noqa: E402
 from model.models.registry import ARCHITECTURES, build_model  # noqa: E402

@@ -12,7 +12,7 @@ tokens found cached / prompt tokens looked up). The model is the paper's base Tr
 (d_model 512, 6 layers, random weights from a fixed seed) with 2,048 positions, so that
 prefill is what costs.
 
-    .venv/bin/python loadtests/bench_prefix_cache.py [--requests 64] [--system-tokens 1024] \
+    .venv/bin/python loadtests/benchmarks/bench_prefix_cache.py [--requests 64] [--system-tokens 1024] \
         [--conversations 8 --turns 6] [--out results/bench_prefix_cache.json]
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.config import EngineConfig  # noqa: E402
 from model.config import PRESETS  # noqa: E402

@@ -7,7 +7,7 @@ max logit difference is over all of them. Free-running greedy generation is comp
 (share of generated tokens before the first divergence).
 Speed: decode steps of 64 sequences at ~270 tokens of context, and of 1, through the fused kernel.
 
-    .venv/bin/python loadtests/bench_kv_cache_dtype.py [--sequences 16] [--steps 48]
+    .venv/bin/python loadtests/benchmarks/bench_kv_cache_dtype.py [--sequences 16] [--steps 48]
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
@@ -31,7 +30,7 @@ from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk  # noqa: E
 from model.layers.paged_attention import paged_decode_attention, use_fused  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
-from profile_step import profile_decode  # noqa: E402
+from loadtests.profilers.profile_step import profile_decode  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 

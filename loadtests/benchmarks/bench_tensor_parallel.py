@@ -6,9 +6,9 @@ the worker with perf_counter around each collective), the slowest worker's step,
 message round trip beyond it (driver wall time of the step's `ray.get` minus that step).
 TP=1 runs on as many torch threads as the TP=2 workers have together.
 
-    .venv/bin/python loadtests/bench_tensor_parallel.py [--model transformer-base] [--batch 16]
+    .venv/bin/python loadtests/benchmarks/bench_tensor_parallel.py [--model transformer-base] [--batch 16]
         [--prompt-len 64] [--max-tokens 32] [--worker-cpus 1] [--json out.json]
-    .venv/bin/python loadtests/bench_tensor_parallel.py --quick     # a tiny preset, checks it runs
+    .venv/bin/python loadtests/benchmarks/bench_tensor_parallel.py --quick     # a tiny preset, checks it runs
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402

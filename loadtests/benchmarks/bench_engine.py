@@ -2,7 +2,7 @@
 
 Everything in one run, on the same random weights: GPT-2-small-shaped (124M parameters,
 the default) or, with `--model qwen2.5-0.5b-shape`, Qwen2.5-0.5B-shaped (494M, GQA 14:2,
-tied head, saved in bf16 by loadtests/random_checkpoint.py):
+tied head, saved in bf16 by loadtests/tools/random_checkpoint.py):
 - workload: N requests, prompts 32-256 tokens, max_tokens uniform in 16-256, greedy, ignore_eos;
 - baseline: HF `generate()` in static batches of 16 with left padding, each batch running
   to its longest request (how one serves without an engine);
@@ -13,14 +13,14 @@ tied head, saved in bf16 by loadtests/random_checkpoint.py):
 - the share of a batch-64 decode step (context ~270) spent in attention over the paged cache
   (torch.profiler, `profile_step.py`), through the fused kernel and through the gather path.
 
-    .venv/bin/python loadtests/bench_engine.py [--requests 64] [--out results/bench_engine.json]
-    .venv/bin/python loadtests/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
-    .venv/bin/python loadtests/bench_engine.py --model qwen3-moe-1b-shape --requests 16 --no-extras
-    .venv/bin/python loadtests/bench_engine.py --model gemma3-1b-shape --requests 8 --hf-batch 8 --max-new-tokens 48 --no-extras
+    .venv/bin/python loadtests/benchmarks/bench_engine.py [--requests 64] [--out results/bench_engine.json]
+    .venv/bin/python loadtests/benchmarks/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
+    .venv/bin/python loadtests/benchmarks/bench_engine.py --model qwen3-moe-1b-shape --requests 16 --no-extras
+    .venv/bin/python loadtests/benchmarks/bench_engine.py --model gemma3-1b-shape --requests 8 --hf-batch 8 --max-new-tokens 48 --no-extras
 
 A mixture-of-experts shape (`qwen3-moe-1b-shape`: 1.18B parameters, 64 experts of 256, top-8,
-written by transformers in bf16, loadtests/moe_load_memory.py) adds a torch.profiler breakdown
-of a batch-16 decode step of the MoE layer (loadtests/profile_moe.py); the bandwidth and
+written by transformers in bf16, loadtests/benchmarks/moe_load_memory.py) adds a torch.profiler breakdown
+of a batch-16 decode step of the MoE layer (loadtests/profilers/profile_moe.py); the bandwidth and
 compute fractions count the weights a token uses (its top-k experts), not all of them.
 
 `--no-extras` runs only the workload (engine and HF) and batch-1 decode.
@@ -39,17 +39,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset, resolve_device  # noqa: E402
-from profile_step import profile_decode, set_backend  # noqa: E402
-from moe_load_memory import SHAPES as MOE_SHAPES  # noqa: E402  (this script's folder)
-from moe_load_memory import write_checkpoint as write_moe_checkpoint  # noqa: E402
-from profile_moe import print_moe_profile, profile_moe_decode  # noqa: E402
-from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.benchmarks.moe_load_memory import SHAPES as MOE_SHAPES  # noqa: E402
+from loadtests.benchmarks.moe_load_memory import write_checkpoint as write_moe_checkpoint  # noqa: E402
+from loadtests.profilers.profile_moe import print_moe_profile, profile_moe_decode  # noqa: E402
+from loadtests.profilers.profile_step import profile_decode, set_backend  # noqa: E402
+from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
 
 PRESET = "gpt2-small-random"
 

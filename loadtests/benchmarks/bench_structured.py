@@ -18,7 +18,7 @@ tools in the Hermes format (free text watched for `<tool_call>`, a schema-valid 
 what every agent request pays per token); `--constraint required` forces calls from the first
 token (the cost inside a call).
 
-    .venv/bin/python loadtests/bench_structured.py [--constraint json|auto|required] [--requests 32] [--rounds 3]
+    .venv/bin/python loadtests/benchmarks/bench_structured.py [--constraint json|auto|required] [--requests 32] [--rounds 3]
                                                    [--out results/bench_structured.json]
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402

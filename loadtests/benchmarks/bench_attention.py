@@ -4,7 +4,7 @@ For each context length n: the forward pass over n tokens (causal, as in a prefi
 decode step (one query against n cached keys), time and peak extra memory. Each measurement
 runs in a fresh subprocess so that its peak RSS is its own.
 
-    .venv/bin/python loadtests/bench_attention.py [--lengths 128 512 2048] [--out results/bench_attention.json]
+    .venv/bin/python loadtests/benchmarks/bench_attention.py [--lengths 128 512 2048] [--out results/bench_attention.json]
 """
 
 from __future__ import annotations

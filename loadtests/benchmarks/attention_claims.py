@@ -11,7 +11,7 @@ Each run trains a small decoder (the paper's layer: post-LayerNorm, ReLU FFN, si
 positions) from the same initial seed on the same corpus windows, and records validation loss
 against steps and wall time per step. Prints a table, writes JSON and a plot.
 
-    python loadtests/attention_claims.py --corpus corpus.txt --out results/claims
+    python loadtests/benchmarks/attention_claims.py --corpus corpus.txt --out results/claims
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Both sides use the same torch thread count. Ray Serve's settings come from
 `--env RAY_SERVE_ENABLE_HA_PROXY=0` for Serve's Python proxy. With `--rounds N` the whole run
 repeats N times and the table shows each side's best round; every round is in the JSON.
 
-    .venv/bin/python loadtests/bench_service.py [--model transformer-base gpt2-small-random]
+    .venv/bin/python loadtests/benchmarks/bench_service.py [--model transformer-base gpt2-small-random]
         [--concurrency 1 16 32] [--threads 2] [--env KEY=VALUE ...] [--rounds 1]
         [--out results/bench_service.json]
 """
@@ -47,7 +47,7 @@ from typing import Any
 
 def _serving_env(argv: list[str]) -> dict[str, str]:
     """Ray Serve reads its settings when it is imported: apply them first."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     try:
         from service.launch import apply_serving_env
     except ImportError:  # a checkout from before the serving path had its settings
@@ -71,11 +71,10 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # local_serve: test scaffolding
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # local_serve: test scaffolding
 
-from bench_engine import PRESET, workload  # noqa: E402
+from loadtests.benchmarks.bench_engine import PRESET, workload  # noqa: E402
 
 from model.config import PRESETS, EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
@@ -85,7 +84,7 @@ from model.sampling.params import SamplingParams  # noqa: E402
 from local_serve import local_service  # noqa: E402
 
 HTTP_PORT = 18400
-STEP_THREAD = "qkv-step"  # service/engine_loop.py names the step thread (and so its torch workers)
+STEP_THREAD = "qkv-step"  # service/engine/engine_loop.py names the step thread (and so its torch workers)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

@@ -5,7 +5,7 @@ cut into windows of `--window` bytes; each model's next-byte loss averaged over 
 0..255, 256..511, ... of the windows, in bits per byte (8 is a uniform guess). The default model
 and its draft learned 256-byte windows: past them their sinusoidal positions were never trained.
 
-    .venv/bin/python loadtests/position_loss.py [--models transformer-base-trained transformer-draft-trained]
+    .venv/bin/python loadtests/benchmarks/position_loss.py [--models transformer-base-trained transformer-draft-trained]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402

@@ -11,8 +11,8 @@ transposed form is at least 5% faster (what `SMALL_ROWS_MIN/MAX` should cover); 
 one forward over B rows (the runner's `run`, sampling included), with the transposed product off
 (every row count through `F.linear`, as before it existed) and on, in turn, median of `--repeats`.
 
-    .venv/bin/python loadtests/bench_linear_rows.py --threads 2 --out linear_rows.json
-    .venv/bin/python loadtests/bench_linear_rows.py --engine transformer-base-trained --threads 2
+    .venv/bin/python loadtests/benchmarks/bench_linear_rows.py --threads 2 --out linear_rows.json
+    .venv/bin/python loadtests/benchmarks/bench_linear_rows.py --engine transformer-base-trained --threads 2
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.layers.linear import dense  # noqa: E402
 
@@ -52,7 +52,7 @@ def time_pass(fn, weights: list[tuple[torch.Tensor, torch.Tensor]], xs: dict[int
 
 def engine_steps(args) -> list[dict]:
     """Decode-step time of `args.engine` at each batch size, the transposed product off and on."""
-    from profile_step import fill  # this script's folder
+    from loadtests.profilers.profile_step import fill
 
     from model.config import EngineConfig
     from model.engine.engine import Engine

@@ -1,7 +1,7 @@
 """What weight-only quantization gains in speed and memory, against float32, in one run.
 
 For each shape (GPT-2-small, the preset with random weights; Qwen2.5-0.5B, a random checkpoint
-in bf16 written by loadtests/random_checkpoint.py) and each scheme (`none`, `int8`, `int4` at
+in bf16 written by loadtests/tools/random_checkpoint.py) and each scheme (`none`, `int8`, `int4` at
 `--group`, and both again with `quantize_lm_head`, which on the tied Qwen2.5 shape also makes
 the embedding table the quantized head's):
 
@@ -11,8 +11,8 @@ the embedding table the quantized head's):
 - for checkpoint shapes, the peak RSS of a fresh process that only loads the model (the
   load quantizes tensor by tensor, so this stays near the quantized size, not float32's).
 
-    .venv/bin/python loadtests/bench_quant.py [--shapes gpt2-small qwen2.5-0.5b-shape] [--group 128]
-    .venv/bin/python loadtests/bench_quant.py --quick   # a tiny shape, a few steps: checks it runs
+    .venv/bin/python loadtests/benchmarks/bench_quant.py [--shapes gpt2-small qwen2.5-0.5b-shape] [--group 128]
+    .venv/bin/python loadtests/benchmarks/bench_quant.py --quick   # a tiny shape, a few steps: checks it runs
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_engine import decode_rate  # noqa: E402  (this script's folder)
+from loadtests.benchmarks.bench_engine import decode_rate  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.loading.quantize import resident_bytes  # noqa: E402
-from random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
 
 PRESETS = {"gpt2-small": "gpt2-small-random"}  # shape name -> preset (random weights, built in memory)
 # --quick: tied like Qwen2.5, with widths that groups of 128 divide (the tiny Llama shape's 344 does not)
@@ -68,7 +67,7 @@ def prefill_rate(llm: LLM, length: int, vocab: int) -> float:
 
 
 def load_peak_rss(path: str, method: str, group: int, head: bool) -> int:
-    code = _PEAK.format(root=str(Path(__file__).resolve().parents[1]), method=method, group=group, path=path,
+    code = _PEAK.format(root=str(Path(__file__).resolve().parents[2]), method=method, group=group, path=path,
                         head=head)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])

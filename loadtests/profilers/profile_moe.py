@@ -7,7 +7,7 @@ the Experts call inside it. Both are record_function ranges patched in for the p
 like profile_step.py's `attention`; ops are attributed to the innermost range they run in.
 Used by `bench_engine.py --model <an MoE shape>`; run alone:
 
-    .venv/bin/python loadtests/profile_moe.py --shape tiny-moe-shape --batch 4 --context 32
+    .venv/bin/python loadtests/profilers/profile_moe.py --shape tiny-moe-shape --batch 4 --context 32
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.engine.engine import Engine  # noqa: E402
-from profile_step import fill, labelled_ranges  # noqa: E402  (this script's folder)
+from loadtests.profilers.profile_step import fill, labelled_ranges  # noqa: E402
 
 MOE_RANGES = ("moe block", "moe experts")
 RANGES = (*MOE_RANGES, "attention", "kv write")
@@ -126,7 +126,7 @@ def print_moe_profile(r: dict) -> None:
 def main() -> None:
     from model import LLM
     from model.config import EngineConfig
-    from moe_load_memory import SHAPES, write_checkpoint
+    from loadtests.benchmarks.moe_load_memory import SHAPES, write_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny-moe-shape", choices=list(SHAPES))

@@ -3,7 +3,7 @@
 Mistral-shaped checkpoint (every layer windowed) saved by transformers, one greedy request, the
 blocks its table really holds after each step. Prints a table and writes JSON.
 
-    .venv/bin/python loadtests/window_blocks.py [--window 256 --prompt 512 --tokens 2048 --block-size 16]
+    .venv/bin/python loadtests/benchmarks/window_blocks.py [--window 256 --prompt 512 --tokens 2048 --block-size 16]
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Benchmarks and measurements: each prints a table and writes JSON (`--out`)."""
