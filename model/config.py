@@ -312,8 +312,8 @@ class EngineConfig:
     quantize_lm_head: bool = described(False, "Quantize the LM head too (the embedding lookup stays full "
                                               "precision).")
     speculative_config: dict | None = described(
-        None, "Speculative decoding: {\"method\": \"ngram\" | \"draft_model\", ...}, the keys in the table of "
-              "`speculative_config` below; None: off.")
+        None, "Speculative decoding: {\"method\": \"ngram\" | \"draft_model\", \"num_speculative_tokens\": k, ...}, "
+              "the keys of `SpeculativeConfig` (model/engine/spec_decode/config.py); None: off.")
     lora_modules: dict[str, str] | None = described(None, "LoRA adapters loaded at start-up, {name: directory or "
                                                           "hub id}; a request picks one by name (HTTP: its `model`; "
                                                           "`LLM.generate(lora=...)`). LoRA is on when this or "

@@ -40,80 +40,113 @@ from service.routing.prefix_route import PrefixRoute
 logger = logging.getLogger(__name__)
 
 
+_ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_arg(name: str, **constraints: Any) -> Any:
+    """The app argument that is `EngineConfig.<name>`: its default and description are the
+    engine's (one source); `constraints` are Pydantic's range checks (`ge=1`)."""
+    f = _ENGINE_FIELDS[name]
+    return Field(f.default, description=f.metadata["description"], **constraints)
+
+
 class AppArgs(BaseModel):
-    """Builder arguments: the model, where it runs, the engine's knobs, admission limits."""
+    """Builder arguments: the model, where it runs, the engine's knobs, admission limits.
+
+    The docs' argument reference is generated from these fields (docs/generate.py): each has a
+    description, and the engine's knobs take theirs from `EngineConfig` (`engine_arg`).
+    """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = "transformer-base-trained"  # a preset name, a checkpoint directory or an HF hub id (org/name)
-    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
-    served_model_name: str | None = None  # the `model` clients send; default: preset, hub id or directory name
-    accelerator: Literal["auto", "cpu", "gpu"] = "auto"  # auto: one GPU per replica if the cluster has GPUs
-    num_replicas: int = Field(1, ge=1)
-    autoscaling_config: dict[str, Any] | None = None  # replaces num_replicas when given
-    dtype: str = "auto"
-    seed: int = 0
-    # engine (model.config.EngineConfig)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int = Field(16, ge=1)
-    kv_cache_bytes: int | None = Field(None, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: the model's dtype
-    attention_backend: Literal["auto", "gather", "fused", "flex"] = "auto"  # auto: fused on CPU, flex on CUDA
-    enforce_eager: bool | None = None  # True: no CUDA graphs for decode; None: graphs on CUDA only
-    # weight-only, applied at load (a GPTQ/AWQ checkpoint is served as it is quantized)
-    quantization: Literal["none", "int8", "int4"] = "none"
-    quantization_group_size: Literal[32, 64, 128] = 128  # int4: input columns per scale
-    quantize_lm_head: bool = False
-    # speculative decoding: {"method": "ngram" | "draft_model", "num_speculative_tokens", ...}
-    # (model/engine/spec_decode/config.py); None: off
-    speculative_config: dict[str, Any] | None = None
-    # LoRA adapters, chosen by `model`: {name: directory or hub id}, and a directory (or hub org) under
-    # which `<served name>:<adapter>` loads on first use; per replica at most max_loras resident (LRU)
-    lora_modules: dict[str, str] | None = None
-    lora_dynamic_path: str | None = None
-    max_loras: int = Field(4, ge=1)
-    max_lora_rank: int = Field(16, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    # tensor parallelism: the model sharded over this many workers (Ray actors, one per rank, each
-    # with tp_worker_num_cpus CPUs and on GPU one GPU) in a placement group Serve reserves per
-    # replica, placed by placement_group_strategy (service/replica/placement.py); pipeline parallelism: 1 only
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    tp_worker_num_cpus: float = Field(1.0, gt=0)
-    placement_group_strategy: PlacementStrategy = "PACK"
-    enable_prefix_caching: bool = True  # reuse the K/V of full prompt blocks seen before
-    prefix_aware_routing: bool = True  # a shared prefix (or a LoRA adapter) goes to the replica holding it
-    routing_imbalance_threshold: int = Field(8, ge=0)  # ...unless it has this many more requests than the least busy
-    # admission: requests in flight per engine replica, and queued per caller beyond that
-    max_ongoing_requests: int | None = Field(None, ge=1)  # default: max_num_seqs + a quarter of it
-    max_queued_requests: int = Field(256, ge=-1)
-    overload_status: Literal[503, 429] = 503
-    retry_after_s: float = Field(1.0, ge=0)
-    # HTTP edge
-    api_key: str | None = None  # default: the QKV_API_KEY environment variable
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    max_header_bytes: int = Field(32 * 1024, ge=1024)  # path + headers; 431 past it
-    request_timeout_s: float | None = Field(None, gt=0)  # whole-request deadline: aborted with a 504
-    max_attention_floats: int = Field(1 << 20, ge=1)  # the most weights one /v1/attention answer holds
-    # agents: the format tool calls are read in (auto: from the chat template; none: text only)
-    # and whether `<think>` text is split into reasoning_content (auto: templates that think)
-    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "pythonic"] = "auto"
-    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
-    # streaming: each stream writes at most this often (the steps' tokens in between merged into
-    # one chunk); 0 writes as soon as a step delivers, merging only what a slow client left unread
-    stream_interval_ms: float = Field(0.0, ge=0, le=1000)
-    # reliability: how long a stopping replica (redeploy, scale-down) lets its requests finish,
-    # and how long the engine may go without progress before /health and Serve's check fail
-    graceful_shutdown_timeout_s: float = Field(300.0, ge=0)
-    stall_timeout_s: float = Field(60.0, gt=0)
-    # resources
-    engine_num_cpus: float = Field(1.0, gt=0)  # an engine replica: its step and its HTTP edge
-    router_num_cpus: float = Field(0.25, ge=0)  # the prefix router HAProxy consults (several replicas)
-    torch_threads: int | None = Field(None, ge=1)  # default: the engine's whole CPUs (at least 1)
-    # several base models behind one endpoint: a list of per-model argument dicts (service/multi_model.py)
-    models: list[dict[str, Any]] | None = None
+    model: str = Field("transformer-base-trained", description="A preset name, a checkpoint directory or an HF "
+                       "hub id (`org/name`; a local directory of that name wins).")
+    revision: str | None = Field(None, description="Of a hub id: a branch, tag or commit; None: main.")
+    served_model_name: str | None = Field(None, description="The `model` clients send; None: the preset name, "
+                                          "the hub id or the checkpoint directory's name.")
+    accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="gpu: one GPU per engine replica (per "
+                                                       "rank with tensor parallelism); auto: gpu when the cluster "
+                                                       "has GPUs, decided when the app is built.")
+    num_replicas: int = Field(1, ge=1, description="Engine replicas (each a whole engine and its HTTP edge).")
+    autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve's autoscaling_config "
+                                                      "(min_replicas, max_replicas, target_ongoing_requests, ...); "
+                                                      "replaces num_replicas when given.")
+    dtype: str = Field("auto", description="Weights' dtype: float32, bfloat16 or float16; auto: float32 on the "
+                       "CPU, on CUDA the checkpoint's 16-bit dtype or bfloat16.")
+    seed: int = Field(0, description="torch's seed in each engine (sampling of requests that give no `seed`).")
+    max_num_seqs: int = engine_arg("max_num_seqs", ge=1)
+    max_num_batched_tokens: int = engine_arg("max_num_batched_tokens", ge=1)
+    block_size: int = engine_arg("block_size", ge=1)
+    kv_cache_bytes: int | None = engine_arg("kv_cache_bytes", ge=1)
+    num_kv_blocks: int | None = engine_arg("num_kv_blocks", ge=1)
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = engine_arg("kv_cache_dtype")
+    attention_backend: Literal["auto", "gather", "fused", "flex"] = engine_arg("attention_backend")
+    enforce_eager: bool | None = engine_arg("enforce_eager")
+    quantization: Literal["none", "int8", "int4"] = engine_arg("quantization")
+    quantization_group_size: Literal[32, 64, 128] = engine_arg("quantization_group_size")
+    quantize_lm_head: bool = engine_arg("quantize_lm_head")
+    speculative_config: dict[str, Any] | None = engine_arg("speculative_config")
+    lora_modules: dict[str, str] | None = engine_arg("lora_modules")
+    lora_dynamic_path: str | None = engine_arg("lora_dynamic_path")
+    max_loras: int = engine_arg("max_loras", ge=1)
+    max_lora_rank: int = engine_arg("max_lora_rank", ge=1)
+    max_model_len: int | None = engine_arg("max_model_len", ge=1)
+    # tensor parallelism: the workers of each replica sit in a placement group Serve reserves per
+    # replica (service/replica/placement.py)
+    tensor_parallel_size: int = engine_arg("tensor_parallel_size", ge=1)
+    pipeline_parallel_size: int = engine_arg("pipeline_parallel_size", ge=1)
+    tp_worker_num_cpus: float = engine_arg("tp_worker_num_cpus", gt=0)
+    placement_group_strategy: PlacementStrategy = Field(
+        "PACK", description="How a replica's placement group (bundle 0 the replica, then one per tensor-parallel "
+                            "rank) is placed on nodes: PACK, STRICT_PACK (one node), SPREAD, STRICT_SPREAD.")
+    enable_prefix_caching: bool = engine_arg("enable_prefix_caching")
+    prefix_aware_routing: bool = Field(True, description="With several replicas: a request whose prompt shares a "
+                                       "cached prefix (or that names a LoRA adapter) goes to the replica holding "
+                                       "it.")
+    routing_imbalance_threshold: int = Field(8, ge=0, description="...unless that replica has this many more "
+                                             "requests than the least busy one.")
+    # admission: each engine replica's own gate (service/engine/admission.py)
+    max_ongoing_requests: int | None = Field(None, ge=1, description="Requests in flight in one engine replica; "
+                                             "None: max_num_seqs plus a quarter of it (at least 4), so nothing "
+                                             "caps the batch.")
+    max_queued_requests: int = Field(256, ge=-1, description="Requests one replica admits beyond "
+                                     "max_ongoing_requests, waiting; past that an immediate overload_status with "
+                                     "Retry-After. -1: no limit.")
+    overload_status: Literal[503, 429] = Field(503, description="The status of a request turned away because the "
+                                               "replica is full.")
+    retry_after_s: float = Field(1.0, ge=0, description="The Retry-After of an overloaded answer, in seconds.")
+    api_key: str | None = Field(None, description="Requests must send it (`Authorization: Bearer`, or `x-api-key` "
+                                "on the Messages routes), else 401; None: the QKV_API_KEY environment variable, "
+                                "unset: no key.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="The largest request body; 413 past it.")
+    max_header_bytes: int = Field(32 * 1024, ge=1024, description="The largest path plus headers; 431 past it.")
+    request_timeout_s: float | None = Field(None, gt=0, description="Whole-request deadline: a request still "
+                                            "running after it is aborted with a 504; None: none.")
+    max_attention_floats: int = Field(1 << 20, ge=1, description="The most attention weights one /v1/attention "
+                                      "answer holds (400 past it).")
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
+        "auto", description="The format tool calls are read in: auto: from the chat template; none: text only.")
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
+        "auto", description="Whether `<think>` text is split into reasoning_content: auto: for chat templates "
+                            "that think; none: never.")
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="Each stream writes at most this often, the "
+                                      "steps' tokens in between merged into one chunk; 0: as soon as a step "
+                                      "delivers, merging only what a slow client left unread.")
+    graceful_shutdown_timeout_s: float = Field(300.0, ge=0, description="How long a stopping replica (redeploy, "
+                                               "scale-down) lets its requests finish.")
+    stall_timeout_s: float = Field(60.0, gt=0, description="How long the engine may go without progress, with work "
+                                   "to do, before /health and Serve's health check fail (and Serve replaces the "
+                                   "replica).")
+    engine_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs of an engine replica: its step and its HTTP "
+                                   "edge.")
+    router_num_cpus: float = Field(0.25, ge=0, description="Ray CPUs of the prefix router HAProxy asks (only with "
+                                   "several replicas and prefix_aware_routing).")
+    torch_threads: int | None = Field(None, ge=1, description="torch's intra-op threads in an engine; None: "
+                                      "engine_num_cpus' whole CPUs (at least 1) on the CPU, torch's default on a "
+                                      "GPU.")
+    models: list[dict[str, Any]] | None = Field(None, description="Several base models behind one endpoint: a "
+                                                "list of per-model argument dicts, each taking these arguments "
+                                                "(service/multi_model.py).")
 
     @field_validator("pipeline_parallel_size")
     @classmethod
@@ -124,13 +157,8 @@ class AppArgs(BaseModel):
         return value
 
     def engine_config(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                                              "kv_cache_bytes", "num_kv_blocks", "max_model_len",
-                                              "enable_prefix_caching", "kv_cache_dtype", "attention_backend",
-                                              "enforce_eager", "quantization", "quantization_group_size",
-                                              "quantize_lm_head", "lora_modules", "lora_dynamic_path", "max_loras",
-                                              "max_lora_rank", "speculative_config", "tensor_parallel_size",
-                                              "pipeline_parallel_size", "tp_worker_num_cpus")}
+        """The `EngineConfig` fields among these arguments, as keyword arguments."""
+        return {name: getattr(self, name) for name in type(self).model_fields if name in _ENGINE_FIELDS}
 
     def resolved_max_ongoing(self) -> int:
         # The whole batch plus a small waiting line inside the engine, which admits it between steps.
