@@ -324,7 +324,7 @@ class Engine:
     def _propose(self) -> None:
         """Proposals for the running sequences that decode next step and may speculate; none
         at all when the batch is larger than disable_by_batch_size (verification would cost
-        more than it saves, measured by loadtests/bench_spec_decode.py --backoff)."""
+        more than it saves, measured by loadtests/benchmarks/bench_spec_decode.py --backoff)."""
         running = self.scheduler.running
         for seq in running:
             seq.spec_token_ids = []

@@ -4,7 +4,7 @@ On the CPU, `F.linear` for one row is a matrix-vector product that streams the w
 2 to 32 rows (a small decode batch, a speculative verification of 1 + k positions) it takes MKL's
 small-M matrix product, which here ran 1.5-2.5x the time of one row for the same weight bytes.
 The same product taken the other way round, `(W @ x^T)^T` with x contiguous, costs about one
-row's time up to 4 rows and at most 1.05x `F.linear`'s up to 32 (`loadtests/bench_linear_rows.py`,
+row's time up to 4 rows and at most 1.05x `F.linear`'s up to 32 (`loadtests/benchmarks/bench_linear_rows.py`,
 a whole model's weights read from memory; two runs); the engine's decode step at batch 2-32
 took 0.55-0.88x the time (`--engine transformer-base-trained`). The result is made contiguous
 again: left transposed, the next layer's product gets x^T contiguous, MKL's slow case once more.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Row counts that take the transposed product (measured: loadtests/bench_linear_rows.py).
+# Row counts that take the transposed product (measured: loadtests/benchmarks/bench_linear_rows.py).
 SMALL_ROWS_MIN, SMALL_ROWS_MAX = 2, 32
 
 
