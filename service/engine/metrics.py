@@ -8,6 +8,8 @@ come from the engine's own timestamps (`RequestTimes`, `token_times`), not from 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -15,61 +17,97 @@ from model.engine.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0]
-_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                10.0]
-_E2E_BUCKETS = [0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                240.0, 480.0]
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0)
 
-_MODEL = ("model_name",)
+# Labels Ray's metrics agent adds to every metric a replica records (beside Ray's own node and
+# worker ids): a dashboard may group by them.
+RAY_LABELS = ("application", "deployment", "replica")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: registered from here by `EngineMetrics` (as its attribute `attr`), and listed
+    from here in the docs' metrics table (docs/generate.py)."""
+
+    attr: str
+    name: str  # as registered; Prometheus sees it as `exported_name(spec)`
+    kind: Literal["counter", "gauge", "histogram"]
+    description: str
+    labels: tuple[str, ...] = ()  # besides model_name
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return ("model_name", *self.labels)
+
+    def register(self, model_name: str) -> Counter | Gauge | Histogram:
+        if self.kind == "histogram":
+            metric = Histogram(self.name, self.description, list(self.buckets), self.all_labels)
+        else:
+            metric = (Counter if self.kind == "counter" else Gauge)(self.name, self.description, self.all_labels)
+        metric.set_default_tags({"model_name": model_name})
+        return metric
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("ttft", "qkv_time_to_first_token_seconds", "histogram",
+               "Time from arrival to the first generated token.", buckets=_LATENCY_BUCKETS),
+    MetricSpec("itl", "qkv_inter_token_latency_seconds", "histogram",
+               "Time between two generated tokens of a request.", buckets=_ITL_BUCKETS),
+    MetricSpec("e2e", "qkv_e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
+               buckets=_E2E_BUCKETS),
+    MetricSpec("queue_time", "qkv_request_queue_time_seconds", "histogram",
+               "Time from arrival to first being scheduled.", buckets=_E2E_BUCKETS),
+    MetricSpec("prompt_tokens", "qkv_prompt_tokens_total", "counter", "Prompt tokens of finished requests."),
+    MetricSpec("generation_tokens", "qkv_generation_tokens_total", "counter", "Generated tokens."),
+    MetricSpec("success", "qkv_request_success_total", "counter",
+               "Finished requests by finish reason (stop, length, tool_calls, abort, embedding, ...).",
+               ("finished_reason",)),
+    MetricSpec("preemptions", "qkv_num_preemptions_total", "counter", "Sequences preempted to free KV blocks."),
+    MetricSpec("prefix_queries", "qkv_prefix_cache_queries_total", "counter",
+               "Prompt tokens looked up in the prefix cache."),
+    MetricSpec("prefix_hits", "qkv_prefix_cache_hits_total", "counter",
+               "Prompt tokens found in the prefix cache (their K/V not recomputed)."),
+    MetricSpec("spec_drafts", "qkv_spec_decode_num_draft_tokens_total", "counter",
+               "Speculative tokens proposed and verified."),
+    MetricSpec("spec_accepted", "qkv_spec_decode_num_accepted_tokens_total", "counter",
+               "Speculative tokens accepted by the target model."),
+    MetricSpec("spec_rate", "qkv_spec_decode_acceptance_rate_per_position", "gauge",
+               "Accepted / proposed speculative tokens since start, per proposal position.", ("position",)),
+    MetricSpec("running", "qkv_num_requests_running", "gauge", "Requests in the running batch."),
+    MetricSpec("waiting", "qkv_num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    MetricSpec("kv_usage", "qkv_kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0..1)."),
+    MetricSpec("lora_loaded", "qkv_lora_adapters_loaded", "gauge", "LoRA adapters resident in this replica."),
+    MetricSpec("lora_loads", "qkv_lora_adapter_loads_total", "counter", "LoRA adapters loaded into a slot."),
+    MetricSpec("lora_evictions", "qkv_lora_adapter_evictions_total", "counter",
+               "LoRA adapters evicted from a slot (least recently used, idle)."),
+    MetricSpec("lora_requests", "qkv_lora_requests_total", "counter",
+               "Finished requests (choices) run under each LoRA adapter.", ("lora_name",)),
+    MetricSpec("http_responses", "qkv_http_responses_total", "counter",
+               "HTTP responses of the replica's edge, by route (the app's route template; unmatched paths: "
+               "`other`) and status code; a stream counts once, with the status it started with. Answers "
+               "HAProxy gives itself (no replica, timeouts) are in Ray Serve's `ray_serve_num_http_requests_total`.",
+               ("route", "status_code")),
+)
+
+
+def exported_name(spec: MetricSpec) -> str:
+    """The name Prometheus sees: Ray's metrics agent prefixes `ray_`."""
+    return f"ray_{spec.name}"
 
 
 class EngineMetrics:
-    """All `qkv_*` metrics of one engine replica, labelled with the served model name."""
+    """All `qkv_*` metrics (`METRICS`) of one engine replica, each the attribute its spec names,
+    labelled with the served model name."""
 
     def __init__(self, model_name: str) -> None:
-        tags = {"model_name": model_name}
-        self.ttft = Histogram("qkv_time_to_first_token_seconds", "Time from arrival to the first generated token.",
-                              _LATENCY_BUCKETS, _MODEL)
-        self.itl = Histogram("qkv_inter_token_latency_seconds", "Time between two generated tokens of a request.",
-                             _ITL_BUCKETS, _MODEL)
-        self.e2e = Histogram("qkv_e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             _E2E_BUCKETS, _MODEL)
-        self.queue_time = Histogram("qkv_request_queue_time_seconds", "Time from arrival to first being scheduled.",
-                                    _E2E_BUCKETS, _MODEL)
-        self.prompt_tokens = Counter("qkv_prompt_tokens_total", "Prompt tokens of finished requests.", _MODEL)
-        self.generation_tokens = Counter("qkv_generation_tokens_total", "Generated tokens.", _MODEL)
-        self.success = Counter("qkv_request_success_total", "Finished requests by finish reason.",
-                               _MODEL + ("finished_reason",))
-        self.preemptions = Counter("qkv_num_preemptions_total", "Sequences preempted to free KV blocks.", _MODEL)
-        self.prefix_queries = Counter("qkv_prefix_cache_queries_total",
-                                      "Prompt tokens looked up in the prefix cache.", _MODEL)
-        self.prefix_hits = Counter("qkv_prefix_cache_hits_total",
-                                   "Prompt tokens found in the prefix cache (their K/V not recomputed).", _MODEL)
-        self.spec_drafts = Counter("qkv_spec_decode_num_draft_tokens_total",
-                                   "Speculative tokens proposed and verified.", _MODEL)
-        self.spec_accepted = Counter("qkv_spec_decode_num_accepted_tokens_total",
-                                     "Speculative tokens accepted by the target model.", _MODEL)
-        self.spec_rate = Gauge("qkv_spec_decode_acceptance_rate_per_position",
-                               "Accepted / proposed speculative tokens since start, per proposal position.",
-                               _MODEL + ("position",))
-        self.running = Gauge("qkv_num_requests_running", "Requests in the running batch.", _MODEL)
-        self.waiting = Gauge("qkv_num_requests_waiting", "Requests waiting to be scheduled.", _MODEL)
-        self.lora_loaded = Gauge("qkv_lora_adapters_loaded", "LoRA adapters resident in this replica.", _MODEL)
-        self.lora_loads = Counter("qkv_lora_adapter_loads_total", "LoRA adapters loaded into a slot.", _MODEL)
-        self.lora_evictions = Counter("qkv_lora_adapter_evictions_total",
-                                      "LoRA adapters evicted from a slot (least recently used, idle).", _MODEL)
-        self.lora_requests = Counter("qkv_lora_requests_total",
-                                     "Finished requests (choices) run under each LoRA adapter.", _MODEL + ("lora_name",))
-        self.kv_usage = Gauge("qkv_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", _MODEL)
-        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
-                       self.success, self.preemptions, self.running, self.waiting, self.kv_usage,
-                       self.prefix_queries, self.prefix_hits, self.lora_loaded, self.lora_loads, self.lora_evictions,
-                       self.lora_requests):
-            metric.set_default_tags(dict(tags))
-        for metric in (self.spec_drafts, self.spec_accepted, self.spec_rate):
-            metric.set_default_tags(dict(tags))
+        for spec in METRICS:
+            setattr(self, spec.attr, spec.register(model_name))
         self._seen = {"num_preemptions_total": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                       "lora_adapter_loads": 0, "lora_adapter_evictions": 0}
         self._unreported_tokens = 0  # generated tokens observed since the last refresh
@@ -110,6 +148,10 @@ class EngineMetrics:
     def observe_lora_request(self, lora: str) -> None:
         """One sequence run under LoRA adapter `lora` has finished."""
         self.lora_requests.inc(1, tags={"lora_name": lora})
+
+    def observe_response(self, route: str, status: int) -> None:
+        """The HTTP edge started a response (service/http/api.py: `ResponseCounter`)."""
+        self.http_responses.inc(1, tags={"route": route, "status_code": str(status)})
 
     def observe_abort(self, num_prompt_tokens: int) -> None:
         """A request whose caller went away: its final output is never read, so count it here."""

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthropic_error_response
 from service.http.attention_api import add_attention_routes
@@ -107,6 +107,32 @@ class HeaderLimitMiddleware:
         await self.app(scope, receive, send)
 
 
+class ResponseCounter:
+    """Calls `record(route, status)` as each HTTP response starts: the route template the request
+    matched (`/v1/models/{model_id:path}`, a bounded set), `other` for a path that matched none.
+    Outermost, so the 431s and 401s of the middlewares inside it count too."""
+
+    def __init__(self, app: ASGIApp, record: Callable[[str, int], None]) -> None:
+        self.app = app
+        self._record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")  # set by the router, on this same scope, when a route matched
+                try:
+                    self._record(getattr(route, "path", "other"), message["status"])
+                except Exception:  # a metrics hiccup must not fail the response
+                    logger.warning("recording an HTTP response failed", exc_info=True)
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 async def read_model(request: Request, model: type[_Model], max_bytes: int) -> _Model:
     """The body parsed into `model`: 413 past `max_bytes`, 400 for malformed or invalid JSON.
 
@@ -153,8 +179,10 @@ async def respond(work: Awaitable[Any],
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: IngressSettings) -> FastAPI:
-    """The FastAPI app over `serving`; `healthy()` answers /health (the local engine's state)."""
+def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: IngressSettings,
+              on_response: Callable[[str, int], None] | None = None) -> FastAPI:
+    """The FastAPI app over `serving`; `healthy()` answers /health (the local engine's state);
+    `on_response(route, status)` is called as each response starts (`ResponseCounter`)."""
     app = FastAPI(title="qkv-serve", docs_url=None, redoc_url=None)
     limit = settings.max_body_bytes
     created = int(time.time())
@@ -239,5 +267,7 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
 
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes)  # outermost: first
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes)  # first of the limits
+    if on_response is not None:
+        app.add_middleware(ResponseCounter, record=on_response)  # outermost: sees every answer
     return app

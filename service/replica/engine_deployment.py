@@ -291,7 +291,7 @@ class EngineReplica:
                     "on" if self._settings.api_key else "off")
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_api(self._serving, self._host.healthy, self._settings)
+        return build_api(self._serving, self._host.healthy, self._settings, self._host.metrics.observe_response)
 
     _forwarded_api: Any = None  # the HTTP edge that answers `forward` (built on first use)
 
