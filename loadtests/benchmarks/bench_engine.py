@@ -13,7 +13,7 @@ tied head, saved in bf16 by loadtests/tools/random_checkpoint.py):
 - the share of a batch-64 decode step (context ~270) spent in attention over the paged cache
   (torch.profiler, `profile_step.py`), through the fused kernel and through the gather path.
 
-    .venv/bin/python loadtests/benchmarks/bench_engine.py [--requests 64] [--out results/bench_engine.json]
+    .venv/bin/python loadtests/benchmarks/bench_engine.py [--requests 64] [--out docs/results/bench_engine.json]
     .venv/bin/python loadtests/benchmarks/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
     .venv/bin/python loadtests/benchmarks/bench_engine.py --model qwen3-moe-1b-shape --requests 16 --no-extras
     .venv/bin/python loadtests/benchmarks/bench_engine.py --model gemma3-1b-shape --requests 8 --hf-batch 8 --max-new-tokens 48 --no-extras
@@ -29,7 +29,6 @@ compute fractions count the weights a token uses (its top-k experts), not all of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -50,6 +49,8 @@ from loadtests.benchmarks.moe_load_memory import write_checkpoint as write_moe_c
 from loadtests.profilers.profile_moe import print_moe_profile, profile_moe_decode  # noqa: E402
 from loadtests.profilers.profile_step import profile_decode, set_backend  # noqa: E402
 from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.tools.results import copy_bandwidth_gbs, matmul_gflops  # noqa: E402
 
 PRESET = "gpt2-small-random"
 
@@ -64,33 +65,6 @@ def workload(n: int, seed: int, vocab: int, max_new: int = 256) -> tuple[list[li
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best / 1e9
-
-
-def memory_gbs(device: torch.device, mib: int = 512, repeats: int = 10) -> float:
-    """Copy bandwidth: bytes read plus bytes written per second."""
-    src = torch.empty(mib << 18, device=device, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / best / 1e9
 
 
 def run_hf(path: str, prompts: list[list[int]], max_tokens: list[int], batch: int,
@@ -200,7 +174,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256,
                     help="the most tokens a request asks for (the 1B shapes: 32-64 keeps HF generate's side bounded)")
     ap.add_argument("--no-extras", action="store_true", help="skip the no-KV-cache run and batch-64 decode")
-    ap.add_argument("--out", default="results/bench_engine.json")
+    add_result_args(ap, "results/bench_engine.json")
     args = ap.parse_args()
     load_at_start = os.getloadavg()[0]
     device = resolve_device(args.device)
@@ -219,7 +193,7 @@ def main() -> None:
                  "requests": args.requests, "max_new_tokens": args.max_new_tokens, "hf_batch": args.hf_batch,
                  "threads": torch.get_num_threads()}
     res["matmul_gflops"] = matmul_gflops(device, dtype)
-    res["memory_gbs"] = memory_gbs(device)
+    res["memory_gbs"] = copy_bandwidth_gbs(device)
     print(f"model {args.model}: {n_params / 1e6:.1f}M params, {device}, {args.dtype}, {res['threads']} threads")
     res["engine"] = run_engine(llm, prompts, max_tokens)
     print(f"engine: {res['engine']['tokens_per_s']:.1f} tok/s")
@@ -232,16 +206,16 @@ def main() -> None:
     res["decode_b1_tok_s"] = decode_rate(llm, 1, cfg.vocab_size)
     res["bandwidth_fraction_b1"] = res["decode_b1_tok_s"] * weight_bytes_read(net, dtype) / 1e9 / res["memory_gbs"]
     res["load_average_1m_start_end"] = [load_at_start, os.getloadavg()[0]]  # this machine is shared
-    report(res)
+    columns, rows = table(res)
+    print_table(columns, rows)
     if "moe_decode_profile" in res:
         print_moe_profile(res["moe_decode_profile"])
     print(f"1-minute load average at start/end: {load_at_start:.2f} / {os.getloadavg()[0]:.2f} (2 cores)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.out}")
+    if args.out:
+        write_result(args.out, "bench_engine", columns, rows, raw=res, note=args.note, device=str(device),
+                     title=f"Engine against HF generate: {args.model}, {args.requests} requests, {args.dtype}")
 
-
-def report(r: dict) -> None:
+def table(r: dict) -> tuple[list[str], list[list[str]]]:
     e, h = r["engine"], r["hf"]
     rows = [
         (f"HF generate, static batches of {r['hf_batch']}", f"{h['tokens_per_s']:.1f} tok/s", "1.00x"),
@@ -265,10 +239,7 @@ def report(r: dict) -> None:
                          f"attention {100 * a['attention_share']:.0f}% of the step"))
     rows += [("measured matmul peak", f"{r['matmul_gflops']:.1f} GFLOP/s", ""),
              ("measured copy bandwidth", f"{r['memory_gbs']:.1f} GB/s", "")]
-    print(f"\n| {'what':<38} | {'figure':>18} | {'ratio':<26} |")
-    print(f"|{'-' * 40}|{'-' * 20}|{'-' * 28}|")
-    for what, fig, ratio in rows:
-        print(f"| {what:<38} | {fig:>18} | {ratio:<26} |")
+    return ["what", "figure", "ratio"], [list(row) for row in rows]
 
 
 if __name__ == "__main__":

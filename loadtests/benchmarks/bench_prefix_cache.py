@@ -13,7 +13,7 @@ tokens found cached / prompt tokens looked up). The model is the paper's base Tr
 prefill is what costs.
 
     .venv/bin/python loadtests/benchmarks/bench_prefix_cache.py [--requests 64] [--system-tokens 1024] \
-        [--conversations 8 --turns 6] [--out results/bench_prefix_cache.json]
+        [--conversations 8 --turns 6] [--out docs/results/bench_prefix_cache.json] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from model.engine.engine import Engine  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
 from model.sampling.params import SamplingParams  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 VOCAB = 256  # byte ids; the byte tokenizer's EOS (256) is never drawn
 
@@ -121,7 +122,7 @@ def main() -> None:
     ap.add_argument("--chat-system-tokens", type=int, default=256)
     ap.add_argument("--chat-max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/bench_prefix_cache.json")
+    add_result_args(ap, "results/bench_prefix_cache.json")
     args = ap.parse_args()
     load_at_start = os.getloadavg()[0]
     tmp = tempfile.mkdtemp(prefix="qkv-bench-prefix-")
@@ -141,26 +142,26 @@ def main() -> None:
             print(f"{key}: {json.dumps({k: round(v, 4) for k, v in res[key].items()})}", flush=True)
             del engine
     res["load_average_1m_start_end"] = [load_at_start, os.getloadavg()[0]]  # this machine is shared
-    report(res)
+    columns, rows = table(res)
+    print_table(columns, rows)
     print(f"1-minute load average at start/end: {load_at_start:.2f} / {os.getloadavg()[0]:.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.out}")
+    if args.out:
+        write_result(args.out, "bench_prefix_cache", columns, rows, raw=res, note=args.note,
+                     title="Prefix caching off and on, bare engine")
 
-
-def report(r: dict) -> None:
-    print(f"\n| {'workload':<10} | {'caching':<7} | {'TTFT p50':>9} | {'TTFT p99':>9} | {'req/s':>6} | "
-          f"{'tok/s':>7} | {'hit rate':>8} | {'TTFT p50 off/on':>15} | {'throughput on/off':>17} |")
-    print("|" + "|".join("-" * (w + 2) for w in (10, 7, 9, 9, 6, 7, 8, 15, 17)) + "|")
+def table(r: dict) -> tuple[list[str], list[list[str]]]:
+    columns = ["workload", "caching", "TTFT p50", "TTFT p99", "req/s", "tok/s", "hit rate", "TTFT p50 off/on",
+               "throughput on/off"]
+    rows = []
     for name in ("shared", "chat"):
         off, on = r[f"{name}_off"], r[f"{name}_on"]
         for label, x in (("off", off), ("on", on)):
-            ratio = (f"{off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x", f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x") \
-                if label == "on" else ("", "")
-            print(f"| {name:<10} | {label:<7} | {x['ttft_p50_s']:>8.2f}s | {x['ttft_p99_s']:>8.2f}s | "
-                  f"{x['requests_per_s']:>6.2f} | {x['tokens_per_s']:>7.0f} | {100 * x['hit_rate']:>7.1f}% | "
-                  f"{ratio[0]:>15} | {ratio[1]:>17} |")
-
+            ratio = ["", ""] if label == "off" else [f"{off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x",
+                                                     f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x"]
+            rows.append([name, label, f"{x['ttft_p50_s']:.2f} s", f"{x['ttft_p99_s']:.2f} s",
+                         f"{x['requests_per_s']:.2f}", f"{x['tokens_per_s']:.0f}", f"{100 * x['hit_rate']:.1f}%",
+                         *ratio])
+    return columns, rows
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,6 @@ the embedding table the quantized head's):
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.loading.quantize import resident_bytes  # noqa: E402
 from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 PRESETS = {"gpt2-small": "gpt2-small-random"}  # shape name -> preset (random weights, built in memory)
 # --quick: tied like Qwen2.5, with widths that groups of 128 divide (the tiny Llama shape's 344 does not)
@@ -103,16 +103,15 @@ def run_shape(shape: str, source: str, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict]) -> None:
-    print(f"\n{'shape':<20} {'scheme':<10} {'head':<5} {'decode b1':>10} {'x':>5} {'decode b16':>11} {'x':>5} "
-          f"{'prefill b1':>11} {'x':>5} {'weights MiB':>12} {'x':>5} {'load peak MiB':>14}")
-    for r in rows:
-        peak = f"{r['load_peak_rss_bytes'] / 2**20:14.0f}" if "load_peak_rss_bytes" in r else f"{'-':>14}"
-        print(f"{r['shape']:<20} {r['scheme']:<10} {'q' if r['quantize_lm_head'] else '-':<5} "
-              f"{r['decode_b1_tok_s']:10.1f} {r['decode_b1_tok_s_vs_none']:5.2f} "
-              f"{r['decode_b16_tok_s']:11.1f} {r['decode_b16_tok_s_vs_none']:5.2f} "
-              f"{r['prefill_b1_tok_s']:11.1f} {r['prefill_b1_tok_s_vs_none']:5.2f} "
-              f"{r['weight_bytes'] / 2**20:12.1f} {r['weight_bytes_vs_none']:5.2f} {peak}")
+def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    columns = ["shape", "scheme", "LM head", "decode b1 tok/s", "x", "decode b16 tok/s", "x", "prefill b1 tok/s", "x",
+               "weights MiB", "x", "load peak MiB"]
+    return columns, [[r["shape"], r["scheme"], "quantized" if r["quantize_lm_head"] else "-",
+                      f"{r['decode_b1_tok_s']:.1f}", f"{r['decode_b1_tok_s_vs_none']:.2f}",
+                      f"{r['decode_b16_tok_s']:.1f}", f"{r['decode_b16_tok_s_vs_none']:.2f}",
+                      f"{r['prefill_b1_tok_s']:.1f}", f"{r['prefill_b1_tok_s_vs_none']:.2f}",
+                      f"{r['weight_bytes'] / 2**20:.1f}", f"{r['weight_bytes_vs_none']:.2f}",
+                      f"{r['load_peak_rss_bytes'] / 2**20:.0f}" if "load_peak_rss_bytes" in r else "-"] for r in rows]
 
 
 def main() -> None:
@@ -124,7 +123,7 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=512)
     ap.add_argument("--no-peak", action="store_true", help="skip the load-peak-RSS subprocesses")
     ap.add_argument("--quick", action="store_true", help="a tiny Qwen-like shape, 4 steps, 64-token prefill")
-    ap.add_argument("--out", default="results/bench_quant.json")
+    add_result_args(ap, "results/bench_quant.json")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.steps, args.prefill, args.kv_blocks = [QUICK_SHAPE], 4, 64, 256
@@ -137,12 +136,13 @@ def main() -> None:
                 source = str(Path(tmp) / shape)
                 write_random_checkpoint(source, shape, torch.bfloat16)
             rows += run_shape(shape, source, args)
-    report(rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"torch_threads": torch.get_num_threads(), "group_size": args.group,
-                                          "steps": args.steps, "prefill_tokens": args.prefill, "rows": rows},
-                                         indent=2))
-
+    columns, table_rows = table(rows)
+    print_table(columns, table_rows)
+    if args.out:
+        raw = {"torch_threads": torch.get_num_threads(), "group_size": args.group, "steps": args.steps,
+               "prefill_tokens": args.prefill, "rows": rows}
+        write_result(args.out, "bench_quant", columns, table_rows, raw=raw, note=args.note,
+                     title="Weight-only quantization against float32")
 
 if __name__ == "__main__":
     main()

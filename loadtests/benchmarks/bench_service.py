@@ -75,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # local_serve: test scaffolding
 
 from loadtests.benchmarks.bench_engine import PRESET, workload  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 from model.config import PRESETS, EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
@@ -269,22 +270,28 @@ def requests_for(concurrency: int, most: int) -> int:
     return min(most, max(8, 4 * concurrency))
 
 
+def table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The main table: each model and client count, the bare engine's row and the service's."""
+    columns = ["model", "clients", "path", "tok/s", "vs engine", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+               "tokens/chunk", "serving CPU ms/token"]
+    ms = lambda d, q: f"{d[q] * 1e3:.1f} ms"  # noqa: E731
+    rows = []
+    for row in res["table"]:
+        e, s = row["engine"], row["service"]
+        rows.append([row["model"], str(row["concurrency"]), "bare engine", f"{e['tokens_per_s']:.1f}", "1.00x",
+                     ms(e["ttft_s"], "p50"), ms(e["ttft_s"], "p99"), ms(e["itl_s"], "p50"), ms(e["itl_s"], "p99"),
+                     "1.00", ""])
+        rows.append([row["model"], str(row["concurrency"]), "service", f"{s['tokens_per_s']:.1f}",
+                     f"{s['tokens_per_s'] / e['tokens_per_s']:.2f}x", ms(s["ttft_s"], "p50"), ms(s["ttft_s"], "p99"),
+                     ms(s["itl_s"], "p50"), ms(s["itl_s"], "p99"), f"{s['tokens_per_chunk']:.2f}",
+                     f"{s['cpu']['serving path']['ms_per_token']:.3f}"])
+    return columns, rows
+
+
 def report(res: dict[str, Any]) -> None:
     print(f"\n{res['threads']} torch threads; best of {res['num_rounds']} round(s); Serve settings: "
           + ", ".join(f"{k}={v}" for k, v in sorted(res["serve_env"].items())))
-    print("| model | clients | path | tok/s | vs engine | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | tokens/chunk | "
-          "serving CPU ms/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    ms = lambda d, q: f"{d[q] * 1e3:.1f} ms"  # noqa: E731
-    for row in res["table"]:
-        e, s = row["engine"], row["service"]
-        print(f"| {row['model']} | {row['concurrency']} | bare engine | {e['tokens_per_s']:.1f} | 1.00x | "
-              f"{ms(e['ttft_s'], 'p50')} | {ms(e['ttft_s'], 'p99')} | {ms(e['itl_s'], 'p50')} | "
-              f"{ms(e['itl_s'], 'p99')} | 1.00 | |")
-        print(f"| {row['model']} | {row['concurrency']} | service | {s['tokens_per_s']:.1f} | "
-              f"{s['tokens_per_s'] / e['tokens_per_s']:.2f}x | {ms(s['ttft_s'], 'p50')} | {ms(s['ttft_s'], 'p99')} | "
-              f"{ms(s['itl_s'], 'p50')} | {ms(s['itl_s'], 'p99')} | {s['tokens_per_chunk']:.2f} | "
-              f"{s['cpu']['serving path']['ms_per_token']:.3f} |")
+    print_table(*table(res))
     print("\nCPU per generated token by process (ms/token, share of one core), service runs:")
     names = sorted({n for row in res["table"] for n in row["service"]["cpu"]},
                    key=lambda n: (n in ("serving path", "engine step", "Ray's own", "benchmark clients"), n))
@@ -351,7 +358,7 @@ def main() -> None:
                     help="Ray Serve settings on top of service.launch.SERVING_ENV (applied before Ray starts)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/bench_service.json")
+    add_result_args(ap, "results/bench_service.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = {"threads": args.threads, "num_rounds": args.rounds, "serve_env": SERVE_ENV,
@@ -361,9 +368,10 @@ def main() -> None:
     res["load_average_end"] = os.getloadavg()
     report(res)
     print(f"load average: {res['load_average_start'][0]:.2f} at the start, {res['load_average_end'][0]:.2f} at the end")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.out}")
+    if args.out:
+        columns, rows = table(res)
+        write_result(args.out, "bench_service", columns, rows, raw=res, note=args.note,
+                     title=f"The service against the bare engine, best of {args.rounds} round(s)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ngram / draft model at batch 1, 4 and 32, on a workload whose prompt asks for a copy of itself and
 one that does not. Prints a table and writes JSON.
 
-    python loadtests/benchmarks/bench_spec_decode.py --out spec_decode.json   # transformer-base-trained + its draft
+    python loadtests/benchmarks/bench_spec_decode.py --out docs/results/bench_spec_decode.json  # + its draft
     python loadtests/benchmarks/bench_spec_decode.py --backoff                # where speculation stops paying
     python loadtests/benchmarks/bench_spec_decode.py --quick                  # tiny models, a minute at most
 
@@ -24,7 +24,6 @@ decoding: the largest B where a method still pays is its default `disable_by_bat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from model.engine.scheduler import ScheduledSeq  # noqa: E402
 from model.layers.linear import dense  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
 from loadtests.profilers.profile_step import fill  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 # The default model (and the draft trained for it) learned 256-byte windows and held out the corpus's
 # tail: its last modules' pydoc text is what the workloads are cut from, and every prompt plus its
@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--no-small-batch-product", action="store_true",
                     help="every row count through F.linear (model/layers/linear/dense.py off): the figures before it")
     ap.add_argument("--quick", action="store_true", help="tiny models and sizes: checks the script runs")
-    ap.add_argument("--out", default=None, help="JSON file to write")
+    add_result_args(ap, None)
     args = ap.parse_args()
     if args.no_small_batch_product:
         dense.SMALL_ROWS_MAX = 1
@@ -285,9 +285,29 @@ def main() -> None:
         result = {"args": {k: v for k, v in vars(args).items()}}
         mode = "backoff" if args.backoff else "verify_cost" if args.verify_cost else "rows"
         result[mode] = {"backoff": backoff, "verify_cost": verify_cost, "rows": bench}[mode](args)
+    columns, rows = table(mode, result[mode])
+    print_table(columns, rows)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        titles = {"rows": "Speculative decoding: off, ngram and draft model", "backoff": "Speculative decoding's "
+                  "speed-up by batch size (the back-off rule)", "verify_cost": "Verifying 1 + k positions"}
+        write_result(args.out, f"bench_spec_decode_{mode}" if mode != "rows" else "bench_spec_decode", columns, rows,
+                     raw=result, note=args.note, title=titles[mode])
+
+
+def table(mode: str, rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The result table of each mode, as the docs show it."""
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    if mode == "verify_cost":
+        return ["k", "step ms", "/ decode step"], [[str(r["k"]), f"{r['ms']:.2f}", f"{r['ratio']:.2f}"] for r in rows]
+    if mode == "backoff":
+        return ["batch", "method", "speed-up", "acceptance"], [
+            [str(r["batch"]), r["method"], f"{r['speedup']:.2f}x", fmt(r["acceptance_rate"])] for r in rows]
+    return (["workload", "batch", "method", "tok/s", "speed-up", "rounds' range", "acceptance", "mean accepted",
+             "copied", "identical"],
+            [[r["workload"], str(r["batch"]), r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+              f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}", fmt(r["acceptance_rate"]),
+              fmt(r["mean_accepted_length"]), fmt(r["copied_tokens"]), "yes" if r["greedy_identical"] else "no"]
+             for r in rows])
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from model.config import EngineConfig, ModelConfig  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
 from model.sampling.structured import StructuredOutputs, build_grammar  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 EOS = "<|endoftext|>"
 PERSON = {
@@ -203,7 +204,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="results/bench_structured.json")
+    add_result_args(ap, "results/bench_structured.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,23 +217,31 @@ def main() -> None:
                   "constraint": args.constraint,
                   "throughput": throughput(llm, args.requests, args.rounds, args.constraint),
                   "compile": compile_times(llm)}
-    tp, cp = result["throughput"], result["compile"]
-    print(f"\n{'batch of ' + str(tp['requests']):<34}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'unconstrained':<34}{tp['unconstrained_s']:>10.2f}{tp['unconstrained_tok_s']:>12.1f}")
-    label = {"json": "half JSON-schema constrained", "auto": "half tool_choice auto (hermes)",
-             "required": "half tool_choice required"}[args.constraint]
-    print(f"{label:<34}{tp['constrained_s']:>10.2f}{tp['constrained_tok_s']:>12.1f}")
+    columns, rows = table(result)
+    print_table(columns, rows)
+    tp = result["throughput"]
     print(f"slowdown: {tp['slowdown'] * 100:+.1f}% (target <= +10%); {tp['generated_tokens']} tokens per run, "
           f"constrained outputs {tp['constrained_mean_tokens']:.0f} tokens on average")
-    print(f"\n{'20-field schema, vocab ' + str(result['vocab_size']):<34}{'ms':>10}")
-    print(f"{'tokenizer set-up (once)':<34}{cp['tokenizer_setup_s'] * 1e3:>10.1f}")
-    print(f"{'compile, cold':<34}{cp['compile_20_fields_cold_s'] * 1e3:>10.1f}")
-    print(f"{'compile, cached':<34}{cp['compile_20_fields_cached_s'] * 1e3:>10.4f}")
-    print(f"{'mask, one row, one step':<34}{cp['mask_per_row_step_s'] * 1e3:>10.3f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    if args.out:
+        write_result(args.out, "bench_structured" + ("" if args.constraint == "json" else f"_{args.constraint}"),
+                     columns, rows, raw=result, note=args.note,
+                     title=f"Structured outputs ({args.constraint}): a batch of {tp['requests']}, half constrained")
+
+
+def table(result: dict) -> tuple[list[str], list[list[str]]]:
+    tp, cp = result["throughput"], result["compile"]
+    label = {"json": "half JSON-schema constrained", "auto": "half tool_choice auto (hermes)",
+             "required": "half tool_choice required"}[result["constraint"]]
+    schema = f"20-field schema, vocab {result['vocab_size']}"
+    return ["what", "time", "tokens/s"], [
+        [f"batch of {tp['requests']}, unconstrained", f"{tp['unconstrained_s']:.2f} s",
+         f"{tp['unconstrained_tok_s']:.1f}"],
+        [f"batch of {tp['requests']}, {label}", f"{tp['constrained_s']:.2f} s", f"{tp['constrained_tok_s']:.1f}"],
+        ["slowdown", f"{tp['slowdown'] * 100:+.1f}%", ""],
+        ["tokenizer set-up (once)", f"{cp['tokenizer_setup_s'] * 1e3:.1f} ms", ""],
+        [f"{schema}: compile, cold", f"{cp['compile_20_fields_cold_s'] * 1e3:.1f} ms", ""],
+        [f"{schema}: compile, cached", f"{cp['compile_20_fields_cached_s'] * 1e3:.4f} ms", ""],
+        ["mask, one row, one step", f"{cp['mask_per_row_step_s'] * 1e3:.3f} ms", ""]]
 
 
 if __name__ == "__main__":
