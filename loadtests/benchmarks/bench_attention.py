@@ -17,6 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+
 H, D = 8, 64
 
 
@@ -27,7 +31,7 @@ def measure(impl: str, n: int, mode: str, repeats: int) -> dict:
     from model.layers.attention import AdditiveScore, DotScore
 
     torch.manual_seed(0)
-    score = AdditiveScore(H, D) if impl == "additive" else DotScore()
+    score = AdditiveScore(H, D) if impl == "additive" else DotScore(D)
     for p in score.parameters():
         torch.nn.init.normal_(p, std=D**-0.5)
     lq = n if mode == "forward" else 1
@@ -57,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="results/bench_attention.json")
+    add_result_args(ap, "results/bench_attention.json")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -66,20 +70,22 @@ def main() -> None:
         return
     import torch
 
-    rows = []
-    print(f"attention core, h={H}, d_k={D}, batch 1, {torch.get_num_threads()} threads, best of {args.repeats} (shared machine: the minimum is the least noisy)")
-    print(f"{'n':>6} {'mode':>8} | {'dot ms':>9} {'additive ms':>12} {'ratio':>7} | {'dot MiB':>8} {'additive MiB':>13}")
+    rows, table = [], []
+    print(f"attention core, h={H}, d_k={D}, batch 1, {torch.get_num_threads()} threads, best of {args.repeats} "
+          "(shared machine: the minimum is the least noisy)")
     for n in args.lengths:
         for mode in ("forward", "decode"):
             dot = run_child("dot", n, mode, args.repeats)
             add = run_child("additive", n, mode, max(1, args.repeats if n <= 512 else 2))
             rows += [dot, add]
-            print(f"{n:>6} {mode:>8} | {dot['ms']:>9.3f} {add['ms']:>12.3f} {add['ms'] / dot['ms']:>6.1f}x | "
-                  f"{dot['peak_extra_mib']:>8.1f} {add['peak_extra_mib']:>13.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "threads": torch.get_num_threads()}, indent=2))
-    print(f"wrote {args.out}")
-
+            table.append([str(n), mode, f"{dot['ms']:.3f}", f"{add['ms']:.3f}", f"{add['ms'] / dot['ms']:.1f}x",
+                          f"{dot['peak_extra_mib']:.1f}", f"{add['peak_extra_mib']:.1f}"])
+    columns = ["n", "mode", "dot ms", "additive ms", "ratio", "dot MiB", "additive MiB"]
+    print_table(columns, table)
+    if args.out:
+        write_result(args.out, "bench_attention", columns, table, note=args.note,
+                     raw={"rows": rows, "threads": torch.get_num_threads()},
+                     title=f"Attention core, dot-product against additive (h={H}, d_k={D}, batch 1)")
 
 if __name__ == "__main__":
     main()

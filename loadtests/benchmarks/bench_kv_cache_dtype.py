@@ -13,7 +13,6 @@ Speed: decode steps of 64 sequences at ~270 tokens of context, and of 1, through
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -31,6 +30,7 @@ from model.layers.paged_attention import paged_decode_attention, use_fused  # no
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
 from loadtests.profilers.profile_step import profile_decode  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--context", type=int, default=270)
-    ap.add_argument("--out", default="results/bench_kv_cache_dtype.json")
+    add_result_args(ap, "results/bench_kv_cache_dtype.json")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     model = build_preset(args.preset).eval()
@@ -120,18 +120,18 @@ def main() -> None:
     base = res["dtypes"]["float32"]
     print(f"\n{args.preset}, float32 weights, {args.sequences} sequences x {args.steps} decode steps; "
           f"largest |logit| {res['logit_scale']:.1f}")
-    print("| kv_cache_dtype | greedy agreement (teacher-forced) | free-running agreement | max logit diff "
-          "| batch-64 step ms | ratio | batch-1 step ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in res["dtypes"].items():
-        print(f"| {name} | {100 * r['greedy_agreement_teacher_forced']:.1f}% | "
-              f"{100 * r['greedy_agreement_free_running']:.1f}% | {r['max_logit_diff']:.2e} | "
-              f"{r['decode_b64_step_ms']:.1f} | {base['decode_b64_step_ms'] / r['decode_b64_step_ms']:.2f}x | "
-              f"{r['decode_b1_step_ms']:.1f} | {base['decode_b1_step_ms'] / r['decode_b1_step_ms']:.2f}x |")
+    columns = ["kv_cache_dtype", "greedy agreement (teacher-forced)", "free-running agreement", "max logit diff",
+               "batch-64 step ms", "ratio", "batch-1 step ms", "ratio"]
+    rows = [[name, f"{100 * r['greedy_agreement_teacher_forced']:.1f}%",
+             f"{100 * r['greedy_agreement_free_running']:.1f}%", f"{r['max_logit_diff']:.2e}",
+             f"{r['decode_b64_step_ms']:.1f}", f"{base['decode_b64_step_ms'] / r['decode_b64_step_ms']:.2f}x",
+             f"{r['decode_b1_step_ms']:.1f}",
+             f"{base['decode_b1_step_ms'] / r['decode_b1_step_ms']:.2f}x"] for name, r in res["dtypes"].items()]
+    print_table(columns, rows)
     print(f"1-minute load average at start/end: {load:.2f} / {os.getloadavg()[0]:.2f} (2 cores)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-
+    if args.out:
+        write_result(args.out, "bench_kv_cache_dtype", columns, rows, raw=res, note=args.note,
+                     title=f"16-bit KV caches: {args.preset}, float32 weights")
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ from model.config import EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
 from model.sampling.params import SamplingParams  # noqa: E402
 from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 ROWS, ADAPTERS = 16, 4
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--repeats", type=int, default=2, help="runs per case; the best is kept")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few tokens: checks the script runs")
-    ap.add_argument("--out", default="results/bench_lora.json")
+    add_result_args(ap, "results/bench_lora.json")
     args = ap.parse_args()
     if args.quick:
         args.shape, args.prompt, args.tokens, args.repeats, args.rank = "tiny-llama-shape", 16, 8, 1, 8
@@ -120,15 +121,15 @@ def main() -> None:
             del engine
     ref = results["base model alone"]
     print(f"{args.shape}, rank {args.rank}, {ROWS} rows x {args.prompt} prompt + {args.tokens} tokens")
-    print(f"{'case':<28}{'tok/s':>10}{'decode tok/s':>14}{'vs base':>10}")
-    for label, r in results.items():
-        print(f"{label:<28}{r['tokens_per_s']:>10.1f}{r['decode_tokens_per_s']:>14.1f}"
-              f"{r['tokens_per_s'] / ref['tokens_per_s']:>10.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
-
+    columns = ["case", "tok/s", "decode tok/s", "vs base"]
+    rows = [[label, f"{r['tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
+             f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}"] for label, r in results.items()]
+    print_table(columns, rows)
+    if args.out:
+        write_result(args.out, "bench_lora", columns, rows, raw={"args": vars(args), "results": results},
+                     note=args.note, device=args.device,
+                     title=f"LoRA: {args.shape}, rank {args.rank}, {ROWS} rows x {args.prompt} prompt + "
+                           f"{args.tokens} tokens")
 
 if __name__ == "__main__":
     main()

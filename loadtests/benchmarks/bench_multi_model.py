@@ -16,7 +16,6 @@ with the front's share shown apart.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -37,6 +36,7 @@ from ray import serve  # noqa: E402
 from model.config import PRESETS  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 HTTP_PORT = 18410
 FRONT = "multi-model front"
@@ -91,19 +91,20 @@ def serve_and_measure(app_args: dict[str, Any], loads: dict[int, tuple[list[list
     return out
 
 
-def report(res: dict[str, Any]) -> None:
-    print(f"\n{res['threads']} torch threads; model {res['model']}")
-    print("| clients | path | tok/s | vs direct | TTFT p50 | ITL p50 | ITL p99 | tokens/chunk | serving CPU ms/token "
-          "| of it the front |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    columns = ["clients", "path", "tok/s", "vs direct", "TTFT p50", "ITL p50", "ITL p99", "tokens/chunk",
+               "serving CPU ms/token", "of it the front"]
     ms = lambda d, q: f"{d[q] * 1e3:.1f} ms"  # noqa: E731
+    rows = []
     for c in res["direct"]:
         d = res["direct"][c]
         for path, r in (("direct (HAProxy -> replica)", d), ("front (HAProxy -> front -> replica)", res["front"][c])):
             front = r["cpu"].get(FRONT, {}).get("ms_per_token", 0.0)
-            print(f"| {c} | {path} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / d['tokens_per_s']:.2f}x | "
-                  f"{ms(r['ttft_s'], 'p50')} | {ms(r['itl_s'], 'p50')} | {ms(r['itl_s'], 'p99')} | "
-                  f"{r['tokens_per_chunk']:.2f} | {r['cpu']['serving path']['ms_per_token']:.3f} | {front:.3f} |")
+            rows.append([str(c), path, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / d['tokens_per_s']:.2f}x",
+                         ms(r["ttft_s"], "p50"), ms(r["itl_s"], "p50"), ms(r["itl_s"], "p99"),
+                         f"{r['tokens_per_chunk']:.2f}", f"{r['cpu']['serving path']['ms_per_token']:.3f}",
+                         f"{front:.3f}"])
+    return columns, rows
 
 
 def main() -> None:
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a tiny model and 4 short requests at 1 and 4 clients")
-    ap.add_argument("--out", default="results/bench_multi_model.json")
+    add_result_args(ap, "results/bench_multi_model.json")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="qkv-bench-multi-")
     if args.quick:
@@ -144,10 +145,12 @@ def main() -> None:
             serve.shutdown()
         finally:
             ray.shutdown()
-    report(res)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.out}")
+    print(f"\n{res['threads']} torch threads; model {res['model']}")
+    columns, rows = table(res)
+    print_table(columns, rows)
+    if args.out:
+        write_result(args.out, "bench_multi_model", columns, rows, raw=res, note=args.note,
+                     title=f"One model behind the multi-model front against served directly: {res['model']}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ at a time (max_tokens 1), best of `--repeats`, each dtype in turn and the whole 
 `--rounds` times; it also reports the matmul rate of each dtype (a 256 x 768 x 3072 product,
 one of the prefill's own shapes). bfloat16 matmuls run on AVX512-BF16 where the CPU has it.
 
-    PYTHONPATH=. .venv/bin/python loadtests/benchmarks/bench_prefill_dtype.py [--prompt-len 256] [--rounds 2]
+    .venv/bin/python loadtests/benchmarks/bench_prefill_dtype.py [--prompt-len 256] [--rounds 2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 PRESET = "gpt2-small-random"
 DTYPES = ("float32", "bfloat16")
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    add_result_args(ap, None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="qkv-prefill-")
@@ -71,13 +73,15 @@ def main() -> None:
         for d in DTYPES:
             flops[d] = max(flops[d], matmul_gflops(getattr(torch, d)))
             best[d] = max(best[d], prefill_tok_s(llms[d], args.prompt_len, args.repeats, seed=k))
-    print(f"{PRESET}, batch 1, {args.prompt_len}-token prompt, {args.threads} torch threads, best of "
-          f"{args.rounds} x {args.repeats}")
-    print("| weights | prefill tok/s | vs float32 | matmul GFLOP/s |")
-    print("|---|---|---|---|")
-    for d in DTYPES:
-        print(f"| {d} | {best[d]:.0f} | {best[d] / best['float32']:.2f}x | {flops[d]:.0f} |")
-
+    title = (f"Prefill, {PRESET}, batch 1, {args.prompt_len}-token prompt, {args.threads} torch threads, best of "
+             f"{args.rounds} x {args.repeats}")
+    print(title)
+    columns = ["weights", "prefill tok/s", "vs float32", "matmul GFLOP/s (256 x 768 x 3072)"]
+    rows = [[d, f"{best[d]:.0f}", f"{best[d] / best['float32']:.2f}x", f"{flops[d]:.0f}"] for d in DTYPES]
+    print_table(columns, rows)
+    if args.out:
+        write_result(args.out, "bench_prefill_dtype", columns, rows, raw={"prefill_tok_s": best, "gflops": flops},
+                     note=args.note, title=title)
 
 if __name__ == "__main__":
     main()

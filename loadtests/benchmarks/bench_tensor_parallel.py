@@ -7,14 +7,13 @@ message round trip beyond it (driver wall time of the step's `ray.get` minus tha
 TP=1 runs on as many torch threads as the TP=2 workers have together.
 
     .venv/bin/python loadtests/benchmarks/bench_tensor_parallel.py [--model transformer-base] [--batch 16]
-        [--prompt-len 64] [--max-tokens 32] [--worker-cpus 1] [--json out.json]
+        [--prompt-len 64] [--max-tokens 32] [--worker-cpus 1] [--out docs/results/bench_tensor_parallel.json]
     .venv/bin/python loadtests/benchmarks/bench_tensor_parallel.py --quick     # a tiny preset, checks it runs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 
 def run(model: str, tp: int, prompts: list[list[int]], max_tokens: int, worker_cpus: float) -> dict:
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs (and torch threads) per TP=2 worker")
-    ap.add_argument("--json", default=None)
+    add_result_args(ap, None)
     ap.add_argument("--quick", action="store_true", help="tiny preset, 4 prompts, 8 tokens: checks the script runs")
     args = ap.parse_args()
     if args.quick:
@@ -87,22 +87,22 @@ def main() -> None:
         ray.shutdown()
     one, two = rows
     print(f"{args.model}: batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} new tokens, fp32 CPU")
-    print(f"{'TP':>3} {'tok/s':>9} {'comm ms/step':>13} {'worker ms/step':>15} {'ray rt ms/step':>15} "
-          f"{'coll/step':>10}")
-    for r in rows:
-        print(f"{r['tp']:>3} {r['tokens_per_s']:>9.1f} {r.get('comm_ms_per_step', 0):>13.2f} "
-              f"{r.get('worker_ms_per_step', 0):>15.2f} {r.get('round_trip_ms_per_step', 0):>15.2f} "
-              f"{r.get('collectives_per_step', 0):>10.1f}")
+    columns = ["TP", "tok/s", "comm ms/step", "worker ms/step", "ray rt ms/step", "coll/step"]
+    table = [[str(r["tp"]), f"{r['tokens_per_s']:.1f}", f"{r.get('comm_ms_per_step', 0):.2f}",
+              f"{r.get('worker_ms_per_step', 0):.2f}", f"{r.get('round_trip_ms_per_step', 0):.2f}",
+              f"{r.get('collectives_per_step', 0):.1f}"] for r in rows]
+    print_table(columns, table)
     ratio = two["tokens_per_s"] / one["tokens_per_s"]
     same = one["token_ids"] == two["token_ids"]
     print(f"TP=2 / TP=1 throughput: {ratio:.2f}x; greedy tokens identical: {same}")
-    if args.json:
+    if args.out:
         for r in rows:
             r.pop("token_ids")
-        Path(args.json).write_text(json.dumps({"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
-                                               "max_tokens": args.max_tokens, "ratio": ratio, "identical": same,
-                                               "runs": rows}, indent=2) + "\n")
-
+        raw = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+               "ratio": ratio, "identical": same, "runs": rows}
+        write_result(args.out, "bench_tensor_parallel", columns, table, raw=raw, note=args.note,
+                     title=f"Tensor parallelism: {args.model}, batch {args.batch}, prompt {args.prompt_len}, "
+                           f"{args.max_tokens} new tokens, TP=2 / TP=1 {ratio:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -64,8 +64,14 @@ def problems(doc: Any) -> list[str]:
     return out
 
 
+_commit_at_start: str | None = None  # the code that ran, read before other work changes the tree
+
+
 def add_result_args(ap: argparse.ArgumentParser, default_out: str | None) -> None:
-    """`--out PATH` (the result file; None: none written) and `--note TEXT` (kept in it)."""
+    """`--out PATH` (the result file; None: none written) and `--note TEXT` (kept in it); notes
+    the git commit now, at the start of the run, for `write_result`."""
+    global _commit_at_start
+    _commit_at_start = git_commit()
     ap.add_argument("--out", default=default_out, help="the result file to write (docs/results/NAME.json for the docs)")
     ap.add_argument("--note", default=None, help="what a reader must know about this run (kept in the result file)")
 
@@ -86,7 +92,8 @@ def write_result(out: str | Path, benchmark: str, columns: list[str], rows: list
     doc: dict[str, Any] = {"benchmark": benchmark}
     if title:
         doc["title"] = title
-    doc |= {"command": command_line(), "date": datetime.date.today().isoformat(), "commit": git_commit(),
+    doc |= {"command": command_line(), "date": datetime.date.today().isoformat(),
+            "commit": _commit_at_start or git_commit(),
             "machine": machine_facts(device), "table": {"columns": list(columns), "rows": [list(r) for r in rows]}}
     if note:
         doc["note"] = note
