@@ -130,6 +130,22 @@ def _stream_events(base_url: str, body: dict[str, Any]) -> tuple[int, list[Any]]
         return r.status_code, sse_payloads(r.iter_lines())
 
 
+def _assert_late_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    """A non-streamed request that failed: with `status` when it failed before its response
+    started, or as the error object in the body of a 200 that had started (service/http/api.py
+    HeldResponse: a request still running half a second after its first token starts its
+    response, then sends a space every quarter second, so that a client that leaves is noticed)."""
+    if r.status_code != 200:
+        return _assert_error(r, status, code)
+    assert r.headers["content-type"] == "application/json", r.text[:300]  # spaces first, when it ran long enough
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    _assert_clean(r.text)
+    return error
+
+
 def _post(base_url: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=CLIENT_TIMEOUT_S)
 
@@ -253,7 +269,9 @@ def test_a_request_past_its_deadline_is_aborted_and_frees_its_blocks(base_url: s
         plain = pool.submit(_post, base_url, LONG)
         status, events = _stream_with_blocks_held(base_url)
         r = plain.result()
-    _assert_error(r, 504, "request_timeout")
+    # 15 s after its first token: its response had started, so the 504 is the body of a 200
+    assert r.status_code == 200
+    _assert_late_error(r, 504, "request_timeout")
     assert status == 200 and any(e["choices"][0]["text"] for e in events[:-2]), "no tokens before the deadline"
     assert f"{REQUEST_TIMEOUT_S:g} s" in _assert_stream_error(events, "request_timeout")["message"]
     wait_until(_idle, 30, "the aborted requests' KV blocks to be freed")
@@ -293,7 +311,7 @@ def test_an_engine_step_exception_errors_the_batch_and_the_replica_is_replaced(h
         r = plain.result()
     error = _assert_error(marked, 503)
     assert "replaced" in error["message"] and error["type"] == "server_error"
-    _assert_error(r, 503)
+    _assert_late_error(r, 503)  # a 200 with the error when its response had started
     assert status == 200
     _assert_stream_error(events)
     wait_until(lambda: health_status(base_url) == 503, 30, "/health to report the dead engine")
@@ -331,7 +349,8 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
     """The replica is the HTTP server: its requests end with it. A request whose response had not
     started gets a 5xx (HAProxy's 502/503, or the dying server's 500); a stream already started
     is cut short, so the client sees a broken stream (no [DONE], no finish), never a hang or a
-    finished-looking answer."""
+    finished-looking answer; so is a non-streamed answer whose response had started (a held
+    response: service/http/api.py), whose body then ends before its JSON."""
     (victim,) = _engine_replicas()
     count = 6
 
@@ -341,8 +360,14 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
         except httpx.HTTPError as exc:  # the connection was cut mid-stream
             return exc
 
+    def post(body: dict[str, Any]) -> httpx.Response | Exception:
+        try:
+            return _post(base_url, body)
+        except httpx.HTTPError as exc:  # a held response cut before its body
+            return exc
+
     with ThreadPoolExecutor(count) as pool:
-        futures = [pool.submit(stream, LONG) if i % 2 else pool.submit(_post, base_url, LONG) for i in range(count)]
+        futures = [pool.submit(stream, LONG) if i % 2 else pool.submit(post, LONG) for i in range(count)]
         wait_until(lambda: _stats()["num_running"] == count, 60, f"{count} requests in the batch")
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         killed_at = time.monotonic()

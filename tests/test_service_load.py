@@ -6,6 +6,7 @@ replace the application's config."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -131,24 +132,33 @@ def test_client_disconnect_aborts_the_request(base_url: str) -> None:
               == aborted_before + 1, "the abort to be counted")
 
 
-def test_a_non_streamed_request_whose_client_left_runs_to_its_end_and_frees_its_slot(base_url: str) -> None:
-    """A known limit of HAProxy's path: once a request has reached the replica, HAProxy does not
-    pass on its client's close while no response byte has gone out (its abortonclose covers
-    queued requests only), so a non-streamed request runs to its end (or to `request_timeout_s`)
-    rather than always being aborted (it may be, when the close reaches the replica). What holds
-    either way: it ends, frees its blocks and its admission slot."""
-    def ended() -> float:
-        d = _scrape()
-        return (_value(d, "ray_qkv_request_success_total", finished_reason="length")
-                + _value(d, "ray_qkv_request_success_total", finished_reason="abort"))
-
-    ended_before = ended()
-    body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the engine generates
-        httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1))
-    _wait_for(_idle, "the engine to finish the request", timeout_s=60)
-    _wait_for(lambda: ended() == ended_before + 1, "the request to be counted as finished or aborted")
-    r = httpx.post(f"{base_url}/v1/completions", json=body | {"max_tokens": 2}, timeout=60)
+def test_a_non_streamed_request_whose_client_left_is_aborted_and_frees_its_blocks(base_url: str) -> None:
+    """Under HAProxy, whose connection to the replica stays open after its client left until a write
+    to the client fails: a non-streamed request past its first token starts its response and sends
+    a space every 0.25 s (service/http/api.py HeldResponse), so the client's close is noticed and
+    the request aborted. Three clients in turn, each closing its socket while its request runs
+    (LONG would take about a minute): before its response's first byte, and after it."""
+    host, port = base_url.removeprefix("http://").split(":")
+    body = json.dumps(LONG).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+    freed_after = []
+    for close_after_first_byte in (False, True, True):
+        assert _idle()
+        aborted_before = _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(request)
+            _wait_for(lambda: _engine_stats()["num_running"] == 1, "the request to run")
+            if close_after_first_byte:
+                head = sock.recv(4096)
+                assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        closed_at = time.monotonic()  # the client is gone
+        _wait_for(_idle, "the engine to abort the request and free its blocks", timeout_s=15)
+        freed_after.append(time.monotonic() - closed_at)
+        _wait_for(lambda: _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
+                  == aborted_before + 1, "the abort to be counted")
+    print(f"blocks freed {', '.join(f'{t:.2f}' for t in freed_after)} s after the client closed")
+    r = httpx.post(f"{base_url}/v1/completions", json=LONG | {"max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text[:300]  # its admission slot is free again
 
 
@@ -281,7 +291,7 @@ def test_a_redeploy_while_streaming_completes_every_request(base_url: str, app_a
 
 
 def test_a_queue_sized_by_the_readme_rule_takes_the_burst(base_url: str) -> None:
-    """README, load tests: max_queued_requests >= the client's concurrency. The burst that
+    """docs/load-tests.md: max_queued_requests >= the client's concurrency. The burst that
     test_overload_rejects_the_excess_fast sheds (BURST clients at once) now completes."""
     body = {"prompt": "abc", "max_tokens": 16, "ignore_eos": True, "stream": True}
     events = _burst(base_url, body, BURST)

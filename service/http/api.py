@@ -9,6 +9,7 @@ FastAPI's 422 body and never a stack trace. An optional API key guards every rou
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthropic_error_response
 from service.http.attention_api import add_attention_routes
+from service.http.engine_call import watch_first_item
 from service.http.errors import APIError, from_validation_error
 from service.openai.embeddings import add_embeddings_routes
 from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -162,12 +164,44 @@ async def read_model(request: Request, model: type[_Model], max_bytes: int) -> _
         raise from_validation_error(exc) from None
 
 
+# A non-streamed answer still running this long after its first token starts its response (see
+# `HeldResponse`), then a space goes out every PROBE_EVERY_S until the body.
+FIRST_BYTE_AFTER_S = 0.5
+PROBE_EVERY_S = 0.25
+
+
 async def respond(work: Awaitable[Any],
                   error_shape: Callable[[APIError], JSONResponse] = error_response) -> Response:
     """Await a route's work: dicts become JSON, iterators become SSE, errors `error_shape`
-    (OpenAI's; the Messages routes pass Anthropic's)."""
+    (OpenAI's; the Messages routes pass Anthropic's). Work still running FIRST_BYTE_AFTER_S after
+    its engine call's first item is answered by a `HeldResponse`, so that a client that leaves
+    is noticed and its request aborted."""
+    first_item = watch_first_item()
+    task = asyncio.ensure_future(work)  # a copy of this context: the engine call sets `first_item`
     try:
-        result = await work
+        if not await _settles(task, first_item):
+            return HeldResponse(task, error_shape)
+    except BaseException:  # cancelled while waiting: the work goes too
+        task.cancel()
+        raise
+    return _response(task, error_shape)
+
+
+async def _settles(task: asyncio.Future, first_item: asyncio.Event) -> bool:
+    """True once `task` is done; False when it is still running FIRST_BYTE_AFTER_S after its first item."""
+    waiter = asyncio.ensure_future(first_item.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not task.done():
+        await asyncio.wait({task}, timeout=FIRST_BYTE_AFTER_S)
+    return task.done()
+
+
+def _response(task: asyncio.Future, error_shape: Callable[[APIError], JSONResponse]) -> Response:
+    try:
+        result = task.result()
     except APIError as exc:
         return error_shape(exc)
     except Exception:
@@ -177,6 +211,56 @@ async def respond(work: Awaitable[Any],
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class HeldResponse(Response):
+    """A non-streamed answer whose work is past its first token and still running: 200 and its
+    headers now, a space (which JSON allows before a value) every PROBE_EVERY_S, then the body.
+
+    Behind HAProxy a request's connection to the replica stays open after its client left,
+    until a write to the client fails: HAProxy cannot tell a client's close from a half-close
+    (its abortonclose covers queued requests only). The spaces are those writes; HAProxy then
+    closes the replica's side, the server's `receive()` says `http.disconnect`, and the work is
+    cancelled, which aborts its sequences and frees their blocks. A failure before the first
+    item keeps its status (400, 429, 503); one after it (a deadline's 504, a failed engine) is
+    the error object as the 200's body."""
+
+    media_type = "application/json"
+
+    def __init__(self, task: asyncio.Future, error_shape: Callable[[APIError], JSONResponse]) -> None:
+        self._task, self._error_shape = task, error_shape
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def client_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        gone = asyncio.ensure_future(client_gone())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            while not self._task.done():
+                await asyncio.wait({self._task, gone}, timeout=PROBE_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    return  # the finally cancels the work
+                if not self._task.done():
+                    await send({"type": "http.response.body", "body": b" ", "more_body": True})
+            await send({"type": "http.response.body", "body": self._body(), "more_body": False})
+        finally:
+            gone.cancel()
+            self._task.cancel()  # a no-op when it is done
+
+    def _body(self) -> bytes:
+        response = _response(self._task, self._error_shape)
+        if isinstance(response, StreamingResponse):  # never for a non-streamed request
+            logger.error("a held response's work returned a stream")
+            response = self._error_shape(APIError("Internal server error.", 500, "server_error"))
+        if response.status_code != 200:
+            logger.warning("request failed after its response started (status %d sent as 200): %s",
+                           response.status_code, bytes(response.body)[:300].decode(errors="replace"))
+        return bytes(response.body)
 
 
 def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: IngressSettings,

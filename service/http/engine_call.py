@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,19 @@ from model.engine.sequence import RequestOutput
 from service.engine.admission import AdmissionGate
 from service.engine.engine_loop import EngineFailure, SubRequest
 from service.http.errors import APIError
+
+# Set by the HTTP edge for each request (`service.http.api.respond`): the event is set once the
+# request's engine call has its first item, when its status is known (admitted, valid, prefilled).
+_first_item: ContextVar[asyncio.Event | None] = ContextVar("qkv_first_item", default=None)
+
+
+def watch_first_item() -> asyncio.Event:
+    """An event set when an engine call made in this context (and the tasks it starts) has its
+    first item."""
+    event = asyncio.Event()
+    _first_item.set(event)
+    return event
+
 
 @dataclass(frozen=True)
 class OverloadPolicy:
@@ -50,6 +64,8 @@ class EngineCall:
         self._admitted = True
         self._stream = self._engine.generate(self._requests)
         self._first = self._check(await self._next())
+        if (event := _first_item.get()) is not None:
+            event.set()
 
     async def _next(self) -> Any:
         try:
