@@ -93,6 +93,25 @@ def test_every_chunking_of_the_stream_gives_the_same_answer(fmt_name: str) -> No
     assert _parse(fmt_name, text, list(range(1, len(text)))) == whole
 
 
+LLAMA_TAGGED = [
+    ('<|python_tag|>{"name": "search", "parameters": {"query": "q"}}', "", [("search", {"query": "q"})]),
+    ('Checking. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}; '
+     '{"name": "search", "parameters": {"query": "q"}}', "Checking. ",
+     [("get_weather", {"city": "Oslo", "days": 1}), ("search", {"query": "q"})]),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", LLAMA_TAGGED)
+def test_llama_calls_after_the_python_tag(text: str, content: str, calls: list[tuple[str, Any]]) -> None:
+    """Llama 3.1/3.2 write `<|python_tag|>` before a JSON call; the tag opens the call, whole or streamed."""
+    whole = _parse("llama3_json", text)
+    assert whole[0] == content and whole[2] == len(calls)
+    assert [(n, json.loads(a)) for n, a in whole[1]] == calls
+    for k in range(len(text) + 1):
+        assert _parse("llama3_json", text, [k]) == whole, k
+    assert _parse("llama3_json", text, list(range(1, len(text)))) == whole
+
+
 def test_arguments_stream_as_they_are_written() -> None:
     parser = FORMATS["hermes"].parser()
     assert parser.feed("<tool_call>\n{\"name\": ") == []
@@ -108,6 +127,7 @@ def test_arguments_stream_as_they_are_written() -> None:
     ("hermes", '<tool_call>\n{"name": "search", "arguments": [1]}\n</tool_call>'),
     ("hermes", '<tool_call>\n{"name": "search", "arguments": {"query": "unfinished'),
     ("llama3_json", '{"name": 3, "parameters": {}}'),
+    ("llama3_json", "<|python_tag|> is how I would call a tool"),
     ("mistral", "[TOOL_CALLS] nothing here"),
     ("pythonic", "[1, 2, 3] is a list"),
     ("pythonic", "[search(query=open('x'))]"),
@@ -222,13 +242,15 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     write_chat_tokenizer(directory, "qwen2.5", vocab_size=400)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tok.add_tokens([AddedToken('{"name"', special=False, normalized=False)])
-    tok.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
+    tok.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False),
+                            AddedToken("<|python_tag|>", special=True, normalized=False)])
     tok.save(str(directory / "tokenizer.json"))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     write_tiny_llama(directory, arch="qwen2", with_tokenizer=False, vocab_size=vocab, max_position_embeddings=512,
                      eos_token_id=tok.token_to_id("<|im_end|>"))
     llm = LLM(str(directory), device="cpu", engine_config=EngineConfig(kv_cache_bytes=16 << 20))
-    assert llm.tokenizer.reveal_special_tokens(["[TOOL_CALLS]"]) == ["[TOOL_CALLS]"]
+    assert llm.tokenizer.reveal_special_tokens(["[TOOL_CALLS]", "<|python_tag|>"]) == ["[TOOL_CALLS]",
+                                                                                       "<|python_tag|>"]
     return llm
 
 
@@ -262,6 +284,32 @@ def test_random_model_calls_always_parse_and_validate(llm: Any, fmt_name: str, c
     if choice == "required":
         finished = [n for n, o in zip(counts, outs) if o.finish_reason == "stop"]
         assert finished and all(n >= 1 for n in finished)
+
+
+def test_a_llama_answer_that_writes_the_python_tag_goes_on_with_a_call(llm: Any) -> None:
+    """Llama models write `<|python_tag|>` before a call: with the tag's token boosted, every answer
+    that writes it goes on with a call valid against its tool's schema (it was text before: the tag
+    did not open the constraint)."""
+    from model import SamplingParams
+
+    fmt = FORMATS["llama3_json"]
+    tag = llm.tokenizer._tok.token_to_id(fmt.python_tag)
+    plan = plan_answer(TOOLS, "auto", True, fmt, None)
+    params = [SamplingParams(max_tokens=96, temperature=1.0, seed=seed, logit_bias={tag: 8.0}, **plan.constraint)
+              for seed in range(8)]
+    prompt = llm.tokenizer.encode("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    tagged = [o for o in llm.generate([prompt] * 8, params) if fmt.python_tag in o.text]
+    assert len(tagged) >= 4, "the boosted tag was hardly written"
+    complete = 0
+    for out in tagged:
+        parser = fmt.parser()
+        content, _, _ = _read(parser.feed(out.text))  # as streamed: a call cut short by max_tokens has started
+        assert parser.calls and fmt.python_tag not in content, out.text
+        for call in parser.calls:
+            if call.complete:
+                complete += 1
+                jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert complete, "no call completed within max_tokens"
 
 
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))

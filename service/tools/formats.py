@@ -6,7 +6,8 @@ format language) that makes every call it opens well-formed and valid against th
 schema, and its region parser (service/tools/parser.py). The formats:
 
 - `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`
-- `llama3_json` (Llama 3.1 / 3.2): `{"name": "f", "parameters": {...}}`, several joined by "; "
+- `llama3_json` (Llama 3.1 / 3.2): `{"name": "f", "parameters": {...}}`, several joined by "; ", the
+  first one after `<|python_tag|>` or not
 - `mistral`: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`
 - `pythonic` (Llama 3.2 / 4 pythonic templates): `[f(a=1), g(b="x")]` as the whole answer
 """
@@ -44,7 +45,7 @@ class ToolFormat:
     """One model family's tool-call syntax."""
 
     name = ""
-    trigger = ""
+    trigger = ""  # what opens a call; `triggers` when there are several
     separators = ""  # between calls, besides whitespace
     marker_tokens: tuple[str, ...] = ()  # special tokens the format writes (their text must be visible)
     at_start_only = False
@@ -68,8 +69,12 @@ class ToolFormat:
         """Calls and nothing else (one or more)."""
         return self.structural_tag(tools, True, parallel)
 
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        return (self.trigger,)
+
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.trigger, self.parse_region, at_start_only=self.at_start_only,
+        return ToolCallParser(self.triggers, self.parse_region, at_start_only=self.at_start_only,
                               separators=self.separators)
 
     def call_id(self) -> str:
@@ -100,22 +105,35 @@ class HermesFormat(ToolFormat):
 
 
 class Llama3JsonFormat(ToolFormat):
+    """Llama 3.1 / 3.2 write `<|python_tag|>` before a call (the templates' "ipython" mode) or
+    the bare JSON: both open a call, and after `<|python_tag|>` only a call may follow."""
+
     name = "llama3_json"
+    python_tag = "<|python_tag|>"
     trigger = '{"name"'
     separators = ";"
+    marker_tokens = (python_tag,)
 
-    def call_tag(self, tool: Tool) -> dict[str, Any]:
-        return {"type": "tag", "begin": f'{{"name": {json.dumps(tool["name"])}, "parameters": ',
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        return (self.python_tag, self.trigger)
+
+    def call_tag(self, tool: Tool, prefix: str = "") -> dict[str, Any]:
+        return {"type": "tag", "begin": f'{prefix}{{"name": {json.dumps(tool["name"])}, "parameters": ',
                 "content": json_grammar(_parameters(tool)), "end": "}"}
 
     def structural_tag(self, tools: list[Tool], required: bool, parallel: bool) -> dict[str, Any]:
         if required:
             return {"type": "tags_with_separator", "tags": [self.call_tag(t) for t in tools], "separator": "; ",
                     "at_least_one": True, "stop_after_first": not parallel}
-        return super().structural_tag(tools, required, parallel)
+        tags = [self.call_tag(t, self.python_tag) for t in tools] + [self.call_tag(t) for t in tools]
+        return {"type": "triggered_tags", "triggers": list(self.triggers), "tags": tags,
+                "stop_after_first": not parallel}
 
     def parse_region(self, text: str, final: bool) -> Region:
         def body(s: Scanner, calls: list[ParsedCall], region: Region) -> None:
+            s.peek(self.python_tag)
+            s.ws()
             s.json_call(calls, ("parameters", "arguments"))
             region.good_end = s.pos
         return scan_region(text, final, body)

@@ -201,13 +201,15 @@ def scan_region(text: str, final: bool, body: Callable[[Scanner, list[ParsedCall
 class ToolCallParser:
     """Text chunks in, `Event`s out, for one choice.
 
-    `trigger` opens a region; `at_start_only` formats (the pythonic list) only look for it at
-    the start of the answer; `forced` regions start at once (a call is the whole answer).
-    Whitespace and `separators` between calls are dropped."""
+    `trigger` opens a region (or any of several: Llama's `<|python_tag|>` or a bare `{"name"`);
+    `at_start_only` formats (the pythonic list) only look for it at the start of the answer;
+    `forced` regions start at once (a call is the whole answer). Whitespace and `separators`
+    between calls are dropped."""
 
-    def __init__(self, trigger: str, parse_region: RegionParser, *, at_start_only: bool = False,
+    def __init__(self, trigger: str | tuple[str, ...], parse_region: RegionParser, *, at_start_only: bool = False,
                  forced: bool = False, separators: str = "") -> None:
-        self._trigger = trigger
+        self._triggers = (trigger,) if isinstance(trigger, str) else tuple(trigger)
+        self._trigger = self._triggers[0]  # the one that opened the open region
         self._parse = parse_region
         self._at_start_only = at_start_only
         self._forced = forced
@@ -242,22 +244,24 @@ class ToolCallParser:
             return False
         if self._at_start_only:
             stripped = self._buf.lstrip()
-            if stripped.startswith(self._trigger):
-                self._buf = stripped
+            opened = next((t for t in self._triggers if stripped.startswith(t)), None)
+            if opened is not None:
+                self._buf, self._trigger = stripped, opened
                 self._in_region = True
                 return True
-            if not final and self._trigger.startswith(stripped):
+            if not final and any(t.startswith(stripped) for t in self._triggers):
                 return False  # still undecided
             self._seen_text = True
             return True
-        k = self._buf.find(self._trigger)
-        if k >= 0:
+        hits = [(k, -len(t), t) for t in self._triggers if (k := self._buf.find(t)) >= 0]
+        if hits:
+            k, _, self._trigger = min(hits)  # the first; of two at one place, the longer
             self._text(events, self._buf[:k], final)
             self._held = ""  # separators between two calls
             self._buf = self._buf[k:]
             self._in_region = True
             return True
-        keep = 0 if final else _prefix_overlap(self._buf, self._trigger)
+        keep = 0 if final else max(_prefix_overlap(self._buf, t) for t in self._triggers)
         self._text(events, self._buf[:len(self._buf) - keep], final)
         self._buf = self._buf[len(self._buf) - keep:]
         return False
