@@ -7,11 +7,22 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test docs clean FORCE
 
-$(VENV)/.installed: pyproject.toml
+# The torch that was asked for, kept in a file that changes only when TORCH does: a new
+# `make serve TORCH=...` reinstalls instead of keeping the torch of the last install.
+$(VENV)/.torch: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH)' | cmp -s - $@ || echo '$(TORCH)' > $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# A changed TORCH replaces the torch installed before: pip would keep a CPU build that
+	# satisfies the same version (2.13.0+cpu is a 2.13.0).
+	if [ -f $(VENV)/.torch-installed ] && ! cmp -s $(VENV)/.torch $(VENV)/.torch-installed; then \
+		$(PY) -m pip uninstall -y -q torch; fi
 	$(PY) -m pip install -q $(TORCH)
+	cp $(VENV)/.torch $(VENV)/.torch-installed
 	$(PY) -m pip install -q -e '.[dev]'
 	# Build the fused paged-attention and quantized-matmul kernels now rather than on first use (about a
 	# minute each; without a compiler the engine logs a warning and uses the gather path).
@@ -33,5 +44,10 @@ serve: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link or an unknown generated
+# marker fails the build, as it does in CI.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache

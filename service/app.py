@@ -65,8 +65,9 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(None, description="The `model` clients send; None: the preset name, "
                                           "the hub id or the checkpoint directory's name.")
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="gpu: one GPU per engine replica (per "
-                                                       "rank with tensor parallelism); auto: gpu when the cluster "
-                                                       "has GPUs, decided when the app is built.")
+                                                       "rank with tensor parallelism); auto: gpu when torch is a "
+                                                       "CUDA build and the cluster has GPUs, decided when the app "
+                                                       "is built.")
     num_replicas: int = Field(1, ge=1, description="Engine replicas (each a whole engine and its HTTP edge).")
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve's autoscaling_config "
                                                       "(min_replicas, max_replicas, target_ongoing_requests, ...); "
@@ -182,14 +183,17 @@ class AppArgs(BaseModel):
 
 
 def use_gpu(accelerator: str) -> bool:
-    """auto: GPUs if the cluster has any (decided here, so a replica never waits forever for
-    a GPU that does not exist)."""
+    """auto: GPUs if this torch is a CUDA build and the cluster has GPUs (decided here, so a
+    replica never waits forever for a GPU that does not exist, and the CPU build's default
+    install serves on the CPU of a machine that has GPUs instead of failing there)."""
     if accelerator != "auto":
         return accelerator == "gpu"
-    if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) >= 1
     import torch
 
+    if torch.version.cuda is None:  # a CPU build (the Makefile's default pin) cannot use a GPU
+        return False
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
     return torch.cuda.is_available()
 
 

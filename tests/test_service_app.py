@@ -38,3 +38,17 @@ def test_accelerator_choice() -> None:
     assert use_gpu("cpu") is False
     # No Ray cluster attached: auto falls back to what torch sees on this machine.
     assert use_gpu("auto") is torch.cuda.is_available()
+
+
+def test_auto_stays_on_the_cpu_with_a_cpu_build_of_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make serve` on a GPU machine without a CUDA torch: the cluster counts a GPU, but a replica
+    asking for it would fail to start ('CUDA is not available'); auto serves on the CPU instead."""
+    import ray
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 1.0})
+    assert use_gpu("auto") is False
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert use_gpu("auto") is True
+    assert use_gpu("cpu") is False
