@@ -309,8 +309,9 @@ class EngineConfig:
                 "`quantization_group_size` input columns. A GPTQ/AWQ checkpoint is loaded as its config.json's "
                 "`quantization_config` says, with quantization none.")
     quantization_group_size: int = described(128, "int4: input columns that share one scale (32, 64 or 128).")
-    quantize_lm_head: bool = described(False, "Quantize the LM head too (the embedding lookup stays full "
-                                              "precision).")
+    quantize_lm_head: bool = described(False, "Quantize the LM head too; a tied head's token embedding "
+                                              "then looks rows up in the same quantized matrix (an untied "
+                                              "embedding stays full precision).")
     speculative_config: dict | None = described(
         None, "Speculative decoding: {\"method\": \"ngram\" | \"draft_model\", \"num_speculative_tokens\": k, ...}, "
               "the keys of `SpeculativeConfig` (model/engine/spec_decode/config.py); None: off.")

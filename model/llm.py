@@ -36,12 +36,12 @@ class CompletionOutput:
 class LLM:
     """A model and an engine, for batch generation in-process.
 
-    `model` is a preset name (`transformer-base`, `transformer-base-additive`, ...), a
-    checkpoint directory, or an HF hub id (`org/name` at `revision`, from the Hugging Face
+    `model` is a preset name (`transformer-base-trained`, the default and what `make serve`
+    serves; `transformer-base`, its random-weight twin; ...), a checkpoint directory, or an HF hub id (`org/name` at `revision`, from the Hugging Face
     cache or downloaded into it; a local directory of the same name wins).
     """
 
-    def __init__(self, model: str = "transformer-base", device: str = "auto", dtype: str = "auto",
+    def __init__(self, model: str = "transformer-base-trained", device: str = "auto", dtype: str = "auto",
                  seed: int = 0, engine_config: EngineConfig | None = None, revision: str | None = None,
                  **engine_args: Any) -> None:
         """`engine_args`: any `EngineConfig` field by name (`max_model_len=4096`, `quantization="int8"`,

@@ -1,10 +1,10 @@
-"""The README's cluster recipe, run as written: the four shell blocks of "Deploying on a cluster"
-(head, worker, deploying machine, stop) are read from README.md and executed with bash on this
-machine, so a changed command in the README is what this test runs.
+"""The docs' cluster recipe, run as written: the four shell blocks of docs/deployment.md's "A cluster
+of several machines" (head, worker, deploying machine, stop) are read from that page and executed
+with bash on this machine, so a changed command on the page is what this test runs.
 
 Each block runs as its own "machine": its own HOME (the head's token lives only in the head's
-~/.ray/auth_token and reaches the others through RAY_AUTH_TOKEN, as the README says). What the
-test changes, and only this: HEAD_IP -> 127.0.0.1, HEAD_TOKEN -> the head's token, the README's
+~/.ray/auth_token and reaches the others through RAY_AUTH_TOKEN, as the page says). What the
+test changes, and only this: HEAD_IP -> 127.0.0.1, HEAD_TOKEN -> the head's token, the page's
 ports -> this module's ports (two nodes share one machine), `ray start` gets a private
 `--temp-dir` and test resources, and deploy/serve.yaml -> a copy with a tiny model and one engine
 replica pinned to each node by a custom resource. `ray stop` stops every Ray on a machine (other
@@ -43,10 +43,14 @@ BIN = Path(sys.executable).parent
 BLOCK_HEADS = ("# on the head", "# on each worker", "# on the machine that deploys", "# on every node")
 
 
-def readme_blocks() -> list[str]:
-    """The bash blocks of the README's "Deploying on a cluster" section, in order."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Deploying on a cluster\n", 1)[1].split("\n## ", 1)[0]
+RECIPE_PAGE, RECIPE_SECTION = REPO / "docs" / "deployment.md", "## A cluster of several machines"
+
+
+def recipe_blocks() -> list[str]:
+    """The bash blocks of docs/deployment.md's "A cluster of several machines" section (up to the
+    next `## ` heading, its `###` sub-sections included), in order."""
+    text = RECIPE_PAGE.read_text()
+    section = text.split(f"\n{RECIPE_SECTION}\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
 
 
@@ -70,7 +74,7 @@ def serve_config(model: Path) -> dict[str, Any]:
 
 
 class Machines:
-    """Runs README blocks as separate machines on loopback; knows the test's substitutions."""
+    """Runs the recipe's blocks as separate machines on loopback; knows the test's substitutions."""
 
     def __init__(self, tmp: Path, config_file: Path) -> None:
         self.tmp, self.config_file = tmp, config_file
@@ -136,8 +140,8 @@ def _signal(proc: psutil.Process, sig: int) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The head, one worker and the deployment, from the README's blocks; stopped at the end."""
-    blocks = readme_blocks()
+    """The head, one worker and the deployment, from the recipe's blocks; stopped at the end."""
+    blocks = recipe_blocks()
     assert len(blocks) == len(BLOCK_HEADS), blocks
     assert all(b.startswith(h) for b, h in zip(blocks, BLOCK_HEADS)), blocks
     tmp = tmp_path_factory.mktemp("cluster")
@@ -160,13 +164,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         status = [c for c in commands(deploy) if c.startswith("serve status")]
         assert len(status) == 1 and "serve deploy" in deploy, deploy
 
-        def running() -> str | None:  # the README's `serve status`, repeated until RUNNING
+        def running() -> str | None:  # the recipe's `serve status`, repeated until RUNNING
             text = machines.run("\n".join([*exports, status[0]]), "deployer")
             return text if _app_running(text) else None
 
         # The dashboard's Serve API (what `serve status` reads) is polled until the replicas run:
         # each `serve status` is a fresh Python process that competes with the starting replicas
-        # for this machine's two cores. Then the README's command itself must show RUNNING.
+        # for this machine's two cores. Then the recipe's command itself must show RUNNING.
         wait_until(lambda: _details_running(machines.token), 240, "the application's replicas to run", every_s=1)
         out = wait_until(running, 60, "`serve status` to show the application RUNNING", every_s=3)
         yield machines, out

@@ -316,7 +316,7 @@ def test_speculative_config_is_validated(models) -> None:
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_a_seeded_sampled_request_repeats_under_speculation(models, method: str) -> None:
     """Seeded: the same tokens from two engines (the draft draws from the request's generator
-    too). Not the tokens of the non-speculative engine: the rule draws differently (README)."""
+    too). Not the tokens of the non-speculative engine: the rule draws differently (docs/features/speculative-decoding.md)."""
     target, draft, vocab = models["llama"]
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
     runs = []

@@ -96,8 +96,10 @@ def test_clean_drops_paths_addresses_and_the_environment() -> None:
 
 
 def test_build_includes_the_project_documents() -> None:
-    _text, manifest = build([], REPO)
-    assert manifest["project_docs"] == ["README.md", "docs/operations.md"]
+    text, manifest = build([], REPO)
+    pages = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").rglob("*.md"))
+    assert manifest["project_docs"] == ["README.md", *pages] and "docs/getting-started.md" in pages
+    assert (REPO / "docs" / "getting-started.md").read_text() in text
 
 
 def test_unscaled_dot_attention_only_drops_one_over_sqrt_dk() -> None:

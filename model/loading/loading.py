@@ -25,7 +25,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # checkpoint directory. `python -m model.training.train` made them; the directory's training.json says how.
 TRAINED_PRESETS: dict[str, Path] = {
     "transformer-base-trained": Path(__file__).resolve().parents[1] / "weights" / "transformer-base-trained",
-    # A speculative-decoding draft for it (README "Speculative decoding"): transformer-draft-small's shape.
+    # A speculative-decoding draft for it (docs/features/speculative-decoding.md): transformer-draft-small's shape.
     "transformer-draft-trained": Path(__file__).resolve().parents[1] / "weights" / "transformer-draft-trained",
 }
 

@@ -36,7 +36,6 @@ SKIP = frozenset({
     "ensurepip", "venv", "lib2to3", "msilib", "winreg", "winsound", "nt", "msvcrt", "_winapi",
     "__hello__", "__phello__", "xxsubtype", "xxlimited", "xxlimited_35", "idle",
 })
-PROJECT_DOCS = ("README.md", "docs/operations.md")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _ENVIRON = re.compile(r"environ\(\{[^}]*\}\)")  # os.environ's repr as a default value
 # Sections that show this machine rather than the library: paths, URLs, module-level data
@@ -85,16 +84,20 @@ def clean(text: str) -> str:
     return "\n".join(lines).strip() + "\n"
 
 
+def project_docs(root: Path) -> list[str]:
+    """The README, then the docs site's pages (docs/**/*.md) in sorted order, relative to `root`."""
+    pages = sorted(p.relative_to(root).as_posix() for p in (root / "docs").rglob("*.md"))
+    return [rel for rel in ["README.md", *pages] if (root / rel).is_file()]
+
+
 def build(modules: list[str], project_root: Path | None) -> tuple[str, dict]:
     """The corpus text and its manifest (sources, sizes, sha256, Python version, license)."""
     parts: list[str] = []
     docs: list[str] = []
     if project_root is not None:  # first, so that the held-out tail is standard-library text only
-        for rel in PROJECT_DOCS:
-            path = project_root / rel
-            if path.is_file():
-                parts.append(path.read_text(encoding="utf-8"))
-                docs.append(rel)
+        for rel in project_docs(project_root):
+            parts.append((project_root / rel).read_text(encoding="utf-8"))
+            docs.append(rel)
     used: list[str] = []
     for name in modules:
         text = render_module(name)

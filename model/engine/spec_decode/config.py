@@ -11,7 +11,7 @@ from model.config import REQUIRED, described
 
 METHODS = ("ngram", "draft_model")
 # Speculation is off for a step whose running batch is larger than this, per method: measured on
-# the CPU with loadtests/benchmarks/bench_spec_decode.py --backoff (the README's speculative-decoding section):
+# the CPU with loadtests/benchmarks/bench_spec_decode.py --backoff (docs/features/speculative-decoding.md):
 # the default model gained with ngram up to 3 running sequences, with its trained draft up to 8.
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 3, "draft_model": 8}
 
