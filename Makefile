@@ -28,6 +28,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	# minute each; without a compiler the engine logs a warning and uses the gather path).
 	$(PY) -c "import model.layers.paged_attention as p; p.kernel_available()"
 	$(PY) -c "import model.layers.linear.kernel as k; k.kernel_available()"
+	$(PY) -c "import model.layers.linear.dense as d; d.kernel_available()"
 	touch $@
 
 install: $(VENV)/.installed

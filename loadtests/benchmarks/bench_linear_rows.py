@@ -1,24 +1,24 @@
-"""One layer stack's dense products for M rows: `F.linear` against `model.layers.linear.dense.linear`
-(the transposed product that small row counts take on the CPU).
+"""One layer stack's dense float32 products for M rows, three ways: `F.linear` (MKL), the
+transposed product `(W @ x^T)^T` and the project's dense kernel (`model/layers/linear/dense.py`
+picks between the last two by M).
 
-The weights are a whole model's worth of the paper's base shape (6 layers of Q/K/V 512x1536, output
-512x512, FFN 512x2048 and 2048x512: 76 MB in float32), cycled through in order, so each product
-reads its weight from memory as a decode step does, not from a warm cache. For each M, both forms
-run in turn, and the median of `--repeats` passes is kept. Prints a table and the rows where the
-transposed form is at least 5% faster (what `SMALL_ROWS_MIN/MAX` should cover); writes JSON.
+The weights are a whole model's worth of a shape (`--shape gpt2-small`: 12 layers of Q/K/V
+768x2304, output 768x768, FFN 768x3072 and 3072x768, and the 50257x768 LM head, 498 MB in
+float32; `transformer-base`: the paper's 6 layers of 512-wide, 76 MB), cycled through in order,
+so each product reads its weight from memory as a decode step does, not from a warm cache. For
+each M the three forms run in turn, and the median of `--repeats` passes is kept.
 
 `--engine MODEL` times the engine's own decode step instead: B sequences of a 64-token context,
-one forward over B rows (the runner's `run`, sampling included), with the transposed product off
-(every row count through `F.linear`, as before it existed) and on, in turn, median of `--repeats`.
+one forward over B rows (the runner's `run`, sampling included), through F.linear only, with the
+transposed product, and with the kernel, in turn, median of `--repeats`.
 
-    .venv/bin/python loadtests/benchmarks/bench_linear_rows.py --threads 2 --out linear_rows.json
-    .venv/bin/python loadtests/benchmarks/bench_linear_rows.py --engine transformer-base-trained --threads 2
+    .venv/bin/python loadtests/benchmarks/bench_linear_rows.py --out docs/results/bench_linear_rows.json
+    .venv/bin/python loadtests/benchmarks/bench_linear_rows.py --engine transformer-base-trained
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,11 +30,33 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.layers.linear import dense  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+
+SHAPES = {"gpt2-small": (768, 3072, 12, 50257), "transformer-base": (512, 2048, 6, 0)}  # d_model, d_ff, N, head
+FORMS = ("F.linear", "transposed", "kernel")
 
 
-def shapes(d_model: int, d_ff: int, layers: int) -> list[tuple[int, int]]:
-    """(in, out) of each projection of a paper-Transformer stack, in forward order."""
-    return [(d_model, 3 * d_model), (d_model, d_model), (d_model, d_ff), (d_ff, d_model)] * layers
+def shapes(d_model: int, d_ff: int, layers: int, head: int = 0) -> list[tuple[int, int]]:
+    """(in, out) of each projection of a paper-Transformer stack, in forward order, then the head's."""
+    return [(d_model, 3 * d_model), (d_model, d_model), (d_model, d_ff), (d_ff, d_model)] * layers + (
+        [(d_model, head)] if head else [])
+
+
+def form(name: str):
+    """The product `name` as fn(x, w, b), switching dense.linear's paths as it needs."""
+    if name == "F.linear":
+        return F.linear
+
+    def through_dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return dense.linear(x, w, b)
+    return through_dense
+
+
+def select(name: str) -> None:
+    """Make dense.linear take `name`'s path at every M."""
+    dense.set_kernel(name == "kernel")
+    dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX = (1, 1 << 30) if name == "transposed" else (2, 0)
+    dense.KERNEL_MAX_ROWS = 1 << 30
 
 
 def time_pass(fn, weights: list[tuple[torch.Tensor, torch.Tensor]], xs: dict[int, torch.Tensor], repeats: int) -> float:
@@ -58,9 +80,9 @@ def engine_steps(args) -> list[dict]:
     from model.engine.engine import Engine
     from model.engine.scheduler import ScheduledSeq
 
-    forced = (dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX)
+    forced = (dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX, dense.KERNEL_MAX_ROWS)
     rows = []
-    print(f"{'batch':>5} {'F.linear ms':>12} {'transposed ms':>14} {'ratio':>6}")
+    print(f"{'batch':>5} " + " ".join(f"{f + ' ms':>14}" for f in FORMS))
     for b in args.rows:
         eng = Engine(args.engine, EngineConfig(max_num_seqs=max(b, 8)), dtype="float32")
         fill(eng, b, 64, 96, eng.model_config.vocab_size)
@@ -68,64 +90,73 @@ def engine_steps(args) -> list[dict]:
         for s in seqs:  # the next token's block, as the scheduler would grow it
             eng.scheduler.blocks.grow(s, s.num_computed_tokens + 1)
         step = [ScheduledSeq(s, 1) for s in seqs]
-        samples: dict[str, list[float]] = {"off": [], "on": []}
+        samples: dict[str, list[float]] = {f: [] for f in FORMS}
         for r in range(args.repeats + 2):
-            for mode in ("off", "on"):  # in turn: drift hits both alike
-                dense.SMALL_ROWS_MAX = 1 if mode == "off" else forced[1]
+            for name in FORMS:  # in turn: drift hits all alike
+                select(name)
                 t0 = time.perf_counter()
                 eng.runner.run(step, [eng._row(s) for s in seqs])
                 if r >= 2:  # the first two: warm-up
-                    samples[mode].append(time.perf_counter() - t0)
-        dense.SMALL_ROWS_MAX = forced[1]
-        off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
-        rows.append({"batch": b, "f_linear_ms": off * 1e3, "transposed_ms": on * 1e3, "ratio": on / off})
-        print(f"{b:5} {off * 1e3:12.2f} {on * 1e3:14.2f} {on / off:6.2f}", flush=True)
+                    samples[name].append(time.perf_counter() - t0)
+        row = {"batch": b, **{f"{f}_ms": statistics.median(samples[f]) * 1e3 for f in FORMS}}
+        rows.append(row)
+        print(f"{b:5} " + " ".join(f"{row[f + '_ms']:14.2f}" for f in FORMS), flush=True)
+    dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX, dense.KERNEL_MAX_ROWS = forced
+    dense.set_kernel(None)
     return rows
+
+
+def table(rows: list[dict], key: str) -> tuple[list[str], list[list[str]]]:
+    columns = [key, *(f"{f} ms" for f in FORMS), "kernel / F.linear", "kernel / transposed"]
+    return columns, [[str(r[key]), *(f"{r[f + '_ms']:.2f}" for f in FORMS),
+                      f"{r['kernel_ms'] / r['F.linear_ms']:.2f}", f"{r['kernel_ms'] / r['transposed_ms']:.2f}"]
+                     for r in rows]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32])
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--d-ff", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    ap.add_argument("--shape", default="gpt2-small", choices=list(SHAPES))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--engine", default=None, help="a model: time its engine's decode step instead")
-    ap.add_argument("--out", default=None)
+    add_result_args(ap, None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if not dense.kernel_available():
+        sys.exit("the dense kernel did not build here: nothing to compare")
     if args.engine:
         if args.rows == ap.get_default("rows"):
-            args.rows = [1, 2, 3, 4, 8, 16, 32]
+            args.rows = [1, 2, 4, 8, 16, 32]
         rows = engine_steps(args)
-        if args.out:
-            Path(args.out).write_text(json.dumps({"args": vars(args), "engine_steps": rows}, indent=2) + "\n")
-            print(f"wrote {args.out}")
-        return
-    gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(o, i, generator=gen), torch.randn(o, generator=gen))
-               for i, o in shapes(args.d_model, args.d_ff, args.layers)]
-    forced = (dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX)
-    dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX = 1, 1 << 30  # time the transposed form at every M
-
-    rows = []
-    one = None
-    print(f"{'rows':>5} {'F.linear ms':>12} {'transposed ms':>14} {'ratio':>6} {'F.linear / 1 row':>17}")
-    for m in args.rows:
-        xs = {k: torch.randn(m, k, generator=gen) for k in {i for i, _ in shapes(args.d_model, args.d_ff, 1)}}
-        base = time_pass(F.linear, weights, xs, args.repeats)
-        trans = time_pass(dense.linear, weights, xs, args.repeats)
-        one = one or base
-        rows.append({"rows": m, "f_linear_ms": base * 1e3, "transposed_ms": trans * 1e3, "ratio": trans / base})
-        print(f"{m:5} {base * 1e3:12.2f} {trans * 1e3:14.2f} {trans / base:6.2f} {base / one:17.2f}", flush=True)
-    dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX = forced
-    pays = [r["rows"] for r in rows if r["ratio"] < 0.95]
-    print(f"transposed form >= 5% faster at rows {pays}; the layer uses it for "
-          f"{forced[0]}..{forced[1]} rows")
+        columns, cells = table(rows, "batch")
+        title = f"{args.engine}: decode step by product form"
+    else:
+        gen = torch.Generator().manual_seed(0)
+        weights = [(torch.randn(o, i, generator=gen) * 0.02, torch.randn(o, generator=gen))
+                   for i, o in shapes(*SHAPES[args.shape])]
+        nbytes = sum(w.numel() * 4 for w, _ in weights)
+        forced = (dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX, dense.KERNEL_MAX_ROWS)
+        rows = []
+        with torch.inference_mode():
+            for m in args.rows:
+                xs = {k: torch.randn(m, k, generator=gen) for k in {w.shape[1] for w, _ in weights}}
+                row: dict = {"rows": m}
+                for name in FORMS:
+                    select(name)
+                    row[f"{name}_ms"] = time_pass(form(name), weights, xs, args.repeats if m <= 128 else 3) * 1e3
+                row["kernel_gb_s"] = nbytes / row["kernel_ms"] / 1e6
+                row["F.linear_gb_s"] = nbytes / row["F.linear_ms"] / 1e6
+                rows.append(row)
+                print(f"{m:5} " + " ".join(f"{row[f + '_ms']:10.2f}" for f in FORMS), flush=True)
+        dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX, dense.KERNEL_MAX_ROWS = forced
+        dense.set_kernel(None)
+        columns, cells = table(rows, "rows")
+        title = f"Dense float32 products of {args.shape}'s weights ({nbytes / 2**20:.0f} MiB) by rows"
+    print_table(columns, cells)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_result(args.out, "bench_linear_rows", columns, cells, raw={"args": vars(args), "rows": rows},
+                     note=args.note, title=title)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ On the trained default (`transformer-base-trained`, fp16 on disk, run in float32
   the engine; the share of positions whose token equals full precision's, and the share of
   tokens generated before the first divergence;
 - bits per byte on the held-out text: the corpus's last 64 KiB in windows of 256 bytes, as
-  tests/test_trained_default.py measures it (0.978 in float32).
+  tests/test_trained_default.py measures it (0.978 in float32);
+- each quantized scheme twice: the LM head in float (the default) and quantized too
+  (`quantize_lm_head`, what llama.cpp does with its output tensor), the cost of the head alone.
 
     .venv/bin/python loadtests/benchmarks/quant_accuracy.py [--groups 32 64 128] [--held-out-bytes 65536]
     .venv/bin/python loadtests/benchmarks/quant_accuracy.py --quick   # a few prompts and 8 KiB, to check it runs
@@ -16,7 +18,6 @@ On the trained default (`transformer-base-trained`, fp16 on disk, run in float32
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -30,6 +31,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
 from model.training.train import batch_loss  # noqa: E402
+from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 MODEL = "transformer-base-trained"
 SEQ = 256
@@ -75,39 +77,44 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--held-out-bytes", type=int, default=64 * 1024)
     ap.add_argument("--quick", action="store_true", help="4 prompts, 8 tokens, 8 KiB, group 128 only")
-    ap.add_argument("--out", default="results/quant_accuracy.json")
+    add_result_args(ap, "results/quant_accuracy.json")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.tokens, args.held_out_bytes, args.groups = 4, 8, 8 * 1024, [128]
     data = held_out(args.held_out_bytes)
     prompts = prompts_from(data, args.prompts)
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    schemes = [("none", 128), ("int8", 128), *[("int4", g) for g in args.groups]]
+    schemes = [("none", 128, False), *[(m, g, head) for m, g in [("int8", 128), *[("int4", g) for g in args.groups]]
+                                       for head in (False, True)]]
     rows, ref = [], None
-    for method, group in schemes:
+    for method, group, head in schemes:
         t0 = time.perf_counter()
         llm = LLM(args.model, device="cpu", dtype="float32", quantization=method, quantization_group_size=group,
-                  engine_config=EngineConfig(max_num_seqs=args.prompts, num_kv_blocks=16 * args.prompts))
+                  engine_config=EngineConfig(max_num_seqs=args.prompts, num_kv_blocks=16 * args.prompts,
+                                             quantize_lm_head=head))
         outs = [o.token_ids for o in llm.generate(prompts, greedy)]
         ref = outs if ref is None else ref
         same, prefix = agreement(ref, outs)
         bpb = bits_per_byte(llm, data)
-        name = method if method != "int4" else f"int4-g{group}"
-        rows.append({"scheme": name, "greedy_agreement": same, "greedy_prefix_agreement": prefix,
+        name = (method if method != "int4" else f"int4-g{group}") + ("+head" if head else "")
+        rows.append({"scheme": name, "quantize_lm_head": head, "greedy_agreement": same, "greedy_prefix_agreement": prefix,
                      "bits_per_byte": bpb, "seconds": time.perf_counter() - t0})
         print(f"  {name}: greedy agreement {same:.3f}, {bpb:.4f} bits/byte ({rows[-1]['seconds']:.0f} s)", flush=True)
         del llm
     base = rows[0]["bits_per_byte"]
     print(f"{args.model}: {args.prompts} prompts x {args.tokens} greedy tokens; bits/byte on the last "
           f"{len(data)} held-out bytes")
-    print(f"{'scheme':<10} {'greedy agree':>12} {'before 1st diff':>15} {'bits/byte':>10} {'vs none':>8}")
     for r in rows:
         r["bits_per_byte_vs_none"] = r["bits_per_byte"] / base - 1
-        print(f"{r['scheme']:<10} {r['greedy_agreement']:>12.3f} {r['greedy_prefix_agreement']:>15.3f} "
-              f"{r['bits_per_byte']:>10.4f} {r['bits_per_byte_vs_none']:>+8.2%}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "prompts": args.prompts, "tokens": args.tokens,
-                                          "held_out_bytes": len(data), "rows": rows}, indent=2))
+    columns = ["scheme", "greedy agreement", "before 1st difference", "bits/byte", "vs none"]
+    table = [[r["scheme"], f"{r['greedy_agreement']:.3f}", f"{r['greedy_prefix_agreement']:.3f}",
+              f"{r['bits_per_byte']:.4f}", f"{r['bits_per_byte_vs_none']:+.2%}"] for r in rows]
+    print_table(columns, table)
+    if args.out:
+        write_result(args.out, "quant_accuracy", columns, table, note=args.note,
+                     raw={"model": args.model, "prompts": args.prompts, "tokens": args.tokens,
+                          "held_out_bytes": len(data), "rows": rows},
+                     title=f"What quantization costs in accuracy ({args.model})")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from torch import nn
 from model.config import PRESETS, ModelConfig
 from model.loading.generation_config import GenerationConfig, load_generation_config
 from model.loading.hub import resolve_model_dir
+from model.layers.linear.dense import kernel_available as dense_kernel_available
 from model.layers.linear.kernel import kernel_available
 from model.loading.quantize import QuantScheme, quantize_head, swap_linears
 from model.loading.tokenizer import Tokenizer, load_tokenizer
@@ -132,4 +133,6 @@ def load_weights(model: str, dtype: torch.dtype, device: torch.device, revision:
         generation = load_generation_config(model)
     if device.type == "cpu" and getattr(net, "quant_scheme", None) is not None:
         kernel_available()  # build the quantized-matmul kernel now (a minute or two), not on the first request
+    if device.type == "cpu" and dtype == torch.float32:
+        dense_kernel_available()  # the few-row float32 products' kernel, likewise
     return cfg, net.eval(), tokenizer, generation
