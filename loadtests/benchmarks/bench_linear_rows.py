@@ -42,16 +42,6 @@ def shapes(d_model: int, d_ff: int, layers: int, head: int = 0) -> list[tuple[in
         [(d_model, head)] if head else [])
 
 
-def form(name: str):
-    """The product `name` as fn(x, w, b), switching dense.linear's paths as it needs."""
-    if name == "F.linear":
-        return F.linear
-
-    def through_dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return dense.linear(x, w, b)
-    return through_dense
-
-
 def select(name: str) -> None:
     """Make dense.linear take `name`'s path at every M."""
     dense.set_kernel(name == "kernel")
@@ -144,7 +134,7 @@ def main() -> None:
                 row: dict = {"rows": m}
                 for name in FORMS:
                     select(name)
-                    row[f"{name}_ms"] = time_pass(form(name), weights, xs, args.repeats if m <= 128 else 3) * 1e3
+                    row[f"{name}_ms"] = time_pass(F.linear if name == "F.linear" else dense.linear, weights, xs, args.repeats if m <= 128 else 3) * 1e3
                 row["kernel_gb_s"] = nbytes / row["kernel_ms"] / 1e6
                 row["F.linear_gb_s"] = nbytes / row["F.linear_ms"] / 1e6
                 rows.append(row)

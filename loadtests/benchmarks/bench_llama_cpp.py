@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.loading.checkpoint import save_model  # noqa: E402
-from model.loading.loading import build_preset  # noqa: E402
-from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.benchmarks.bench_engine import PRESET as GPT2_PRESET, checkpoint  # noqa: E402
+from loadtests.tools.random_checkpoint import SHAPES  # noqa: E402
 from loadtests.tools.results import add_result_args, cpu_model, print_table, write_result  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built (its ggml commit is in the result)
@@ -60,7 +59,6 @@ SHAPES.setdefault("llama3.2-1b-shape", {  # meta-llama/Llama-3.2-1B: 1.24B param
                      "original_max_position_embeddings": 8192},
     "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001,
 })
-GPT2_PRESET = "gpt2-small-random"
 
 
 @dataclass(frozen=True)
@@ -280,18 +278,10 @@ def run_engine(source: str, scheme: str, workloads: tuple[Workload, ...], args: 
 
 # --- the run ---------------------------------------------------------------------------------------
 
-def checkpoint(shape: str, directory: Path) -> Path:
-    source = SHAPE_RUNS[shape][0]
-    if source == GPT2_PRESET:
-        save_model(build_preset(GPT2_PRESET), directory)
-    else:
-        write_random_checkpoint(directory, source, torch.bfloat16)
-    return directory
-
-
 def run_shape(shape: str, tree: Path, bin_dir: Path, tmp: Path, args: argparse.Namespace) -> list[dict]:
     _, workloads = SHAPE_RUNS[shape]
-    ckpt = checkpoint(shape, tmp / shape)
+    ckpt = tmp / shape
+    checkpoint(SHAPE_RUNS[shape][0], str(ckpt))
     ggufs = convert(tree, bin_dir, ckpt, tmp, [t for _, types in PAIRS for t in types if t in args.types])
     rows = []
     for scheme, types in PAIRS:
