@@ -19,6 +19,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+QuantizationActivations = Literal["auto", "float32", "int8"]
+QUANTIZATION_ACTIVATIONS = ("auto", "float32", "int8")
 AttentionBackend = Literal["auto", "gather", "fused", "flex"]
 ATTENTION_BACKENDS = ("auto", "gather", "fused", "flex")
 
@@ -309,6 +311,11 @@ class EngineConfig:
                 "`quantization_group_size` input columns. A GPTQ/AWQ checkpoint is loaded as its config.json's "
                 "`quantization_config` says, with quantization none.")
     quantization_group_size: int = described(128, "int4: input columns that share one scale (32, 64 or 128).")
+    quantization_activations: QuantizationActivations = described(
+        "float32", "What a quantized layer multiplies its codes with on the CPU: float32 (the format's math, "
+                   "activations as they are) or int8 (each block of 32 activations rounded to int8 codes, as "
+                   "llama.cpp's Q8_0 does, and integer dot products: AVX-512 VNNI or AVX2); auto: int8 where the "
+                   "kernel has an integer vector path. Other devices always use float activations.")
     quantize_lm_head: bool = described(False, "Quantize the LM head too; a tied head's token embedding "
                                               "then looks rows up in the same quantized matrix (an untied "
                                               "embedding stays full precision).")
@@ -349,6 +356,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization_activations not in QUANTIZATION_ACTIVATIONS:
+            raise ValueError(f"quantization_activations must be one of {', '.join(QUANTIZATION_ACTIVATIONS)}; "
+                             f"got {self.quantization_activations!r}")
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of "
                              f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}; got {self.quantization_group_size}")

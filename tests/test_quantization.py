@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from model import LLM, SamplingParams
 from model.config import EngineConfig, ModelConfig
 from model.engine.engine import Engine
+from model.layers.linear.kernel import int8_path, quant_matmul_q8
 from model.layers.linear.quantized import QuantizedLinear
 from model.loading.checkpoint import CheckpointError, load_model, save_model
 from model.loading.quantize import on_the_fly_scheme
@@ -125,6 +126,76 @@ def test_quantizing_by_blocks_of_rows_equals_the_whole_matrix(bits, monkeypatch)
     assert rel_err(layer.dequantized_weight(), ref) < 1e-6
 
 
+# ---- int8 activations (quantization_activations=int8) ----------------------------------------
+
+def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0 rounding written out: each block of 32 values of a row -> codes
+    round(x * 127 / max|x|) (half to even, in float32 as the kernel rounds), and d = max|x| / 127;
+    the values the codes stand for."""
+    m, k = x.shape
+    b = x.float().reshape(m, k // 32, 32)
+    amax = b.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1), 0)
+    codes = torch.round(b * inv)
+    return (codes.double() * (amax / 127).double()).reshape(m, k)
+
+
+@pytest.mark.parametrize("bits,group,offsets", [(8, 128, False), (8, 64, True), (4, 32, True), (4, 64, True),
+                                                (4, 128, False)])
+def test_int8_activations_kernel_equals_its_math_on_every_path(bits, group, offsets) -> None:
+    """Every vector path this CPU has (and the scalar loop) equals x rounded to int8 blocks times
+    the dequantized weight, whatever the row count; each row of y depends on its own row only."""
+    gen = torch.Generator().manual_seed(bits * 1000 + group)
+    k, n = 256, 77
+    layer = QuantizedLinear(k, n, bits, group, False, has_offsets=offsets)
+    layer.quantize_from(torch.randn(n, k, generator=gen))
+    if offsets and bits == 8:  # a checkpoint's asymmetric int8 (GPTQ, AWQ) carries offsets
+        layer.offsets.copy_(torch.randn(layer.offsets.shape, generator=gen) * 0.01)
+    w = layer.dequantized_weight().double()
+    x = torch.randn(70, k, generator=gen) * torch.linspace(0.1, 10, k)  # blocks of very different sizes
+    x[3, 32:64] = 0  # an all-zero block
+    rounded = round_to_int8_blocks(x)
+    ref = rounded @ w.t()
+    exact = x.double() @ w.t()
+    # what the rounding of x can move y by, at most: |x - x_rounded| . |w| (half a code per value)
+    bound = (x.double() - rounded).abs() @ w.abs().t()
+    assert ((x.double() - rounded).abs().reshape(70, -1, 32) <=
+            x.double().abs().reshape(70, -1, 32).amax(2, keepdim=True) / 254 * (1 + 1e-5)).all()
+    for path in range(int8_path() + 1):
+        for rows in (1, 3, 4, 5, 70):
+            got = quant_matmul_q8(x[:rows], layer.qweight, layer.scales, layer.offsets, bits, group, path=path)
+            assert rel_err(got.double(), ref[:rows]) < 1e-6, (path, rows)
+            assert ((got.double() - exact[:rows]).abs() <= bound[:rows] + 1e-4).all(), (path, rows)
+        alone = torch.cat([quant_matmul_q8(x[i:i + 1], layer.qweight, layer.scales, layer.offsets, bits, group,
+                                           path=path) for i in range(9)])
+        assert torch.equal(alone, quant_matmul_q8(x[:9], layer.qweight, layer.scales, layer.offsets, bits, group,
+                                                  path=path)), path
+
+
+def test_int8_activations_layer_routing() -> None:
+    """The layer takes the int8-activation product for every row count once switched on, and its
+    float kernel (1e-5 of the format's math) when off."""
+    if int8_path() == 0:
+        pytest.skip("the quantized-matmul kernel has no integer vector path on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    layer = QuantizedLinear(128, 40, 4, 32, True, has_offsets=True)
+    layer.quantize_from(torch.randn(40, 128, generator=gen))
+    torch.nn.init.normal_(layer.bias, generator=gen)
+    w = layer.dequantized_weight().double()
+    for rows in (1, 40, 100):
+        x = torch.randn(rows, 128, generator=gen)
+        with torch.no_grad():
+            layer.int8_activations = False
+            assert rel_err((layer(x) - layer.bias).double(), x.double() @ w.t()) < 1e-5
+            layer.int8_activations = True
+            assert rel_err((layer(x) - layer.bias).double(), round_to_int8_blocks(x) @ w.t()) < 1e-6
+
+
+def test_quantization_activations_is_checked() -> None:
+    with pytest.raises(ValueError, match="quantization_activations must be one of auto, float32, int8"):
+        EngineConfig(quantization_activations="int4")
+
+
 ON_THE_FLY = {"llama-int8": ("llama", "int8", 128), "llama-int4-g32": ("llama", "int4", 32),
               "transformer-int8": ("transformer", "int8", 128), "transformer-int4-g64": ("transformer", "int4", 64)}
 
@@ -204,19 +275,24 @@ def _others(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-@pytest.mark.parametrize("arch,method", [("llama", "int4"), ("transformer", "int8")])
-def test_engine_greedy_alone_equals_batched_and_preempted(arch, method, llama_dir, transformer_dir) -> None:
+@pytest.mark.parametrize("arch,method,acts", [("llama", "int4", "float32"), ("transformer", "int8", "float32"),
+                                               ("llama", "int4", "int8"), ("transformer", "int8", "int8")])
+def test_engine_greedy_alone_equals_batched_and_preempted(arch, method, acts, llama_dir, transformer_dir) -> None:
+    if acts == "int8" and int8_path() == 0:
+        pytest.skip("the quantized-matmul kernel has no integer vector path on this CPU")
     directory = str(llama_dir if arch == "llama" else transformer_dir)
     prompt = list(range(3, 12))
     llm = LLM(directory, device="cpu", dtype="float32", quantization=method, quantization_group_size=32,
-              engine_config=EngineConfig(block_size=8))
+              engine_config=EngineConfig(block_size=8, quantization_activations=acts))
     assert llm.engine.runtime.quantization == method
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.int8_activations == (acts == "int8") for m in layers)
     alone = llm.generate([prompt], _greedy())[0].token_ids
     prompts, params = _others(15, seed=3)
     batch = llm.generate(prompts[:8] + [prompt] + prompts[8:], params[:8] + [_greedy()] + params[8:])
     assert batch[8].token_ids == alone
     tight = LLM(directory, device="cpu", dtype="float32", quantization=method, quantization_group_size=32,
-                engine_config=EngineConfig(num_kv_blocks=10, block_size=8))
+                engine_config=EngineConfig(num_kv_blocks=10, block_size=8, quantization_activations=acts))
     prompts, params = _others(8, seed=4)
     outs = tight.generate(prompts[:4] + [prompt] + prompts[4:], params[:4] + [_greedy()] + params[4:])
     assert tight.engine.stats().num_preemptions_total > 0
@@ -420,5 +496,5 @@ def test_service_serves_int8_and_says_so(llama_dir) -> None:
     models, done = asyncio.run(run())
     card = models["data"][0]
     assert card["quantization"] == "int8"
-    assert card["quantization_config"] == {"method": "int8", "bits": 8, "group_size": -1}
+    assert card["quantization_config"] == {"method": "int8", "bits": 8, "group_size": -1, "activations": "float32"}
     assert done["choices"][0]["text"] == engine.tokenizer.decode(expected)

@@ -9,7 +9,9 @@ On the trained default (`transformer-base-trained`, fp16 on disk, run in float32
 - bits per byte on the held-out text: the corpus's last 64 KiB in windows of 256 bytes, as
   tests/test_trained_default.py measures it (0.978 in float32);
 - each quantized scheme twice: the LM head in float (the default) and quantized too
-  (`quantize_lm_head`, what llama.cpp does with its output tensor), the cost of the head alone.
+  (`quantize_lm_head`, what llama.cpp does with its output tensor), the cost of the head alone;
+- and each of those again with `quantization_activations=int8` (`/a8`: activations rounded to
+  int8 in blocks of 32, as llama.cpp's Q8_0 does), the cost of the integer products.
 
     .venv/bin/python loadtests/benchmarks/quant_accuracy.py [--groups 32 64 128] [--held-out-bytes 65536]
     .venv/bin/python loadtests/benchmarks/quant_accuracy.py --quick   # a few prompts and 8 KiB, to check it runs
@@ -76,6 +78,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--held-out-bytes", type=int, default=64 * 1024)
+    ap.add_argument("--activations", nargs="+", default=["float32", "int8"], choices=["float32", "int8"],
+                    help="quantization_activations of the quantized rows")
     ap.add_argument("--quick", action="store_true", help="4 prompts, 8 tokens, 8 KiB, group 128 only")
     add_result_args(ap, "results/quant_accuracy.json")
     args = ap.parse_args()
@@ -84,20 +88,24 @@ def main() -> None:
     data = held_out(args.held_out_bytes)
     prompts = prompts_from(data, args.prompts)
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    schemes = [("none", 128, False), *[(m, g, head) for m, g in [("int8", 128), *[("int4", g) for g in args.groups]]
-                                       for head in (False, True)]]
+    schemes = [("none", 128, False, "float32"),
+               *[(m, g, head, acts) for acts in args.activations for m, g in [("int8", 128), *[("int4", g) for g in args.groups]]
+                 for head in (False, True)]]
     rows, ref = [], None
-    for method, group, head in schemes:
+    for method, group, head, acts in schemes:
         t0 = time.perf_counter()
         llm = LLM(args.model, device="cpu", dtype="float32", quantization=method, quantization_group_size=group,
                   engine_config=EngineConfig(max_num_seqs=args.prompts, num_kv_blocks=16 * args.prompts,
-                                             quantize_lm_head=head))
+                                             quantize_lm_head=head, quantization_activations=acts))
+        if acts == "int8" and not llm.engine.int8_activations:
+            raise SystemExit("quantization_activations=int8 did not take: the kernel has no integer path here")
         outs = [o.token_ids for o in llm.generate(prompts, greedy)]
         ref = outs if ref is None else ref
         same, prefix = agreement(ref, outs)
         bpb = bits_per_byte(llm, data)
-        name = (method if method != "int4" else f"int4-g{group}") + ("+head" if head else "")
-        rows.append({"scheme": name, "quantize_lm_head": head, "greedy_agreement": same, "greedy_prefix_agreement": prefix,
+        name = (method if method != "int4" else f"int4-g{group}") + ("+head" if head else "") + \
+            ("/a8" if acts == "int8" else "")
+        rows.append({"scheme": name, "quantize_lm_head": head, "activations": acts, "greedy_agreement": same, "greedy_prefix_agreement": prefix,
                      "bits_per_byte": bpb, "seconds": time.perf_counter() - t0})
         print(f"  {name}: greedy agreement {same:.3f}, {bpb:.4f} bits/byte ({rows[-1]['seconds']:.0f} s)", flush=True)
         del llm

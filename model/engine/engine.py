@@ -26,7 +26,7 @@ from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.loading.lora import LoraManager
 from model.loading.pooling_config import read_pooling_config
-from model.loading.quantize import on_the_fly_scheme, quantization_of
+from model.loading.quantize import on_the_fly_scheme, quantization_of, set_int8_activations
 from model.loading.tokenizer import IncrementalDetokenizer
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
@@ -99,6 +99,7 @@ class Engine:
                 quantize=on_the_fly_scheme(ec.quantization, ec.quantization_group_size),
                 quantize_lm_head=ec.quantize_lm_head)
         self.quant_scheme = quantization_of(net)  # on the fly, or the checkpoint's own (GPTQ, AWQ)
+        self.int8_activations = net is not None and self._int8_activations(net)
         cfg = self.model_config
         max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
         kv = self.config.kv_cache_dtype
@@ -152,10 +153,26 @@ class Engine:
         self._aborted: list[_Request] = []
         self.spec = _spec_decoder(self.config.speculative_config, cfg.vocab_size, self._eos_ids, num_blocks,
                                   self.config.block_size, self.device, self.dtype, self.config.attention_backend)
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s", model,
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s%s", model,
                     self.runtime.device, self.runtime.dtype, num_blocks, self.config.block_size,
                     str(self.kv_cache_dtype).removeprefix("torch."),
-                    self.quant_scheme.describe() if self.quant_scheme else "none")
+                    self.quant_scheme.describe() if self.quant_scheme else "none",
+                    " with int8 activations" if self.int8_activations else "")
+
+    def _int8_activations(self, net: torch.nn.Module) -> bool:
+        """Apply `quantization_activations` to the model's quantized layers (CPU only); whether
+        they round their activations to int8."""
+        from model.layers.linear.kernel import int8_path  # noqa: PLC0415 (builds the kernel)
+
+        mode = self.config.quantization_activations
+        if self.quant_scheme is None or self.device.type != "cpu" or mode == "float32":
+            return False
+        if int8_path() == 0:
+            if mode == "int8":
+                logger.warning("quantization_activations=int8: the quantized-matmul kernel has no integer "
+                               "vector path on this CPU, keeping float32 activations")
+            return False
+        return set_int8_activations(net, True) > 0
 
     def _num_blocks(self, cfg: ModelConfig, max_len: int) -> int:
         ec = self.config

@@ -207,6 +207,14 @@ def quantization_of(model: nn.Module) -> QuantScheme | None:
     return getattr(model, "quant_scheme", None)
 
 
+def set_int8_activations(model: nn.Module, enabled: bool) -> int:
+    """Set every quantized layer's `int8_activations`; the number of layers set."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        layer.int8_activations = enabled
+    return len(layers)
+
+
 def loadable_tensors(model: nn.Module) -> dict[str, Any]:
     """What the loader fills, by our name: the parameters, and a sink per quantized layer."""
     return {**dict(model.named_parameters()), **weight_sinks(model)}

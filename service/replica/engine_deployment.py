@@ -187,7 +187,9 @@ class EngineHost:
             tokenizer=self.engine.tokenizer,
             generation_config=self.engine.generation_config,
             attention=self.engine.attention_shape,
-            quantization=scheme.describe() if scheme else None,
+            quantization={**scheme.describe(),
+                          "activations": "int8" if getattr(self.engine, "int8_activations", False) else "float32"}
+            if scheme else None,
             **_lora_info(getattr(self.engine, "lora", None)),
         )
 

@@ -22,11 +22,30 @@ _KERNEL = CppKernel("qkv_quant_matmul", Path(__file__).with_name("csrc") / "quan
                     namespace="qkv_quant", op="quant_matmul", directory_prefix="quant_matmul",
                     fallback="quantized-matmul kernel unavailable, dequantizing blocks of rows instead", log=logger)
 
+_INT8_PATH: dict[str, int] = {}
+
 
 def kernel_available() -> bool:
     """Build (first call, a minute or two) or load the kernel; False, with one warning, when it
     cannot be built (the layers then dequantize blocks of rows and use the dense matmul)."""
     return _KERNEL.available()
+
+
+def int8_path() -> int:
+    """The kernel's product with int8 activations on this CPU: 2 AVX-512 VNNI, 1 AVX2, 0 none
+    (not vectorised, or the kernel did not build)."""
+    if "path" not in _INT8_PATH:
+        _INT8_PATH["path"] = int(torch.ops.qkv_quant.int8_path()) if kernel_available() else 0
+    return _INT8_PATH["path"]
+
+
+def quant_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                    bits: int, group_size: int, path: int = -1) -> torch.Tensor:
+    """x (M, K) float32 -> (M, N) float32 with x rounded to int8 codes in blocks of 32 (llama.cpp's
+    Q8_0) and integer dot products against the stored codes; `path` caps the vector path (tests)."""
+    empty = scales.new_empty(0)
+    return torch.ops.qkv_quant.quant_matmul_q8(x, qweight, scales, empty if offsets is None else offsets,
+                                               bits, group_size, path)
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,

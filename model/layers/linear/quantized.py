@@ -12,7 +12,10 @@ nibble). GPTQ's act-order (`desc_act`) checkpoints group columns in a permuted o
 
 On the CPU, up to `KERNEL_MAX_ROWS` rows (decode) go through the float32 kernel in
 `model/layers/linear/kernel.py`; longer inputs (prefill) and other devices dequantize blocks of
-rows and use the dense matmul. On CUDA, 4-bit layers with bfloat16 inputs use torch's tinygemm
+rows and use the dense matmul. A layer with `int8_activations` set (the engine's
+`quantization_activations`) takes the kernel's other product for every row count on the CPU:
+activations rounded to int8 codes in blocks of 32, as llama.cpp's Q8_0, and integer dot products
+against the stored codes. On CUDA, 4-bit layers with bfloat16 inputs use torch's tinygemm
 kernel (`_weight_int4pack_mm`).
 """
 
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.layers.linear.kernel import kernel_available, quant_matmul
+from model.layers.linear.kernel import int8_path, kernel_available, quant_matmul, quant_matmul_q8
 
 INT4_GROUP_SIZES = (32, 64, 128)
 KERNEL_MAX_ROWS = 32  # more rows than this: dequantize blocks of rows and use the dense matmul
@@ -93,6 +96,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("perm", torch.empty(in_features, dtype=torch.long, device=device) if act_order else None)
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self._tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int8_activations = False  # CPU: round x to int8 blocks and multiply codes (set_int8_activations)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
@@ -174,7 +178,10 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
-        if x2.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS and kernel_available():
+        if x2.device.type == "cpu" and self.int8_activations and self.group_size % 32 == 0 and int8_path() > 0:
+            y = quant_matmul_q8(x2.float().contiguous(), self.qweight, self.scales, self.offsets, self.bits,
+                                self.group_size).to(x.dtype)
+        elif x2.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS and kernel_available():
             y = quant_matmul(x2.float().contiguous(), self.qweight, self.scales, self.offsets, self.bits,
                              self.group_size).to(x.dtype)
         elif self._use_tinygemm(x2):

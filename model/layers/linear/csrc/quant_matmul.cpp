@@ -14,10 +14,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -208,10 +209,283 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const at::Tensor& qweight, const
   return out;
 }
 
+// ---- int8 activations (llama.cpp's Q8_0 way) ---------------------------------------------------
+//
+// quant_matmul_q8: each block of 32 values of a row of x becomes int8 codes c = round(x / d) with
+// d = max|x| / 127 (round half to even), and
+//
+//     y[m, n] = sum_g scale[n, g] * sum_{b in g} d[m, b] * (c[m, b] . q[n, b]) + offset[n, g] * sum(x[m, g])
+//
+// with each block's dot product in int32 (AVX-512 VNNI's vpdpbusd, or AVX2's maddubs + madd), the
+// rest in float32, sum(x[m, g]) from the rounded x (d times the codes' sum). The weights are read as the codes they are, so a
+// product costs integer work on 1 or 0.5 byte per weight instead of a decode to float per weight.
+// It is not the format's float32 math: the activations carry the rounding of their 8-bit codes
+// (about 0.4% of each block's largest value), as in llama.cpp. Each row of y depends only on its
+// own row of x, whatever M is. Needs K and the group size to be multiples of 32.
+
+struct QuantizedRows {
+  std::vector<int8_t> codes;   // (M, K)
+  std::vector<float> scale8;   // (M, K / 4): each block's d repeated 8 times, one per int32 lane
+  std::vector<float> gsum;     // (M, K / group): sum of the rounded x over each group (offsets only)
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, bool sums) {
+  QuantizedRows q;
+  q.codes.resize(m * k);
+  q.scale8.resize(m * k / 4);
+  q.gsum.resize(sums ? m * (k / group) : 0);
+  at::parallel_for(0, m, std::max<int64_t>(1, 4096 / k), [&](int64_t m0, int64_t m1) {
+    for (int64_t i = m0; i < m1; ++i) {
+      const float* xr = x + i * k;
+      for (int64_t b = 0; b < k / 32; ++b) {
+        const float* xb = xr + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* c = q.codes.data() + i * k + b * 32;
+        for (int j = 0; j < 32; ++j) c[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+        for (int j = 0; j < 8; ++j) q.scale8[i * (k / 4) + b * 8 + j] = d;
+      }
+      // The offsets meet the same rounded x as the codes: W = (q - z) * s puts -z * s on every
+      // weight, and the float sum of x would leave -z * s * sum(x - x_rounded) uncancelled
+      // (z is about 8 for 4-bit codes: that doubled the error in a check against float math).
+      if (sums)
+        for (int64_t g = 0; g < k / group; ++g) {
+          float t = 0.f;
+          for (int64_t b = g * group / 32; b < (g + 1) * group / 32; ++b) {
+            int32_t c = 0;
+            for (int j = 0; j < 32; ++j) c += q.codes[i * k + b * 32 + j];
+            t += static_cast<float>(c) * q.scale8[i * (k / 4) + b * 8];
+          }
+          q.gsum[i * (k / group) + g] = t;
+        }
+    }
+  });
+  return q;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One vector step of the product: V256 takes one block of 32 weights (AVX2: maddubs + madd; the
+// pairs' sums stay below 2^15: 2 * 127 * 127 for int8, 2 * 15 * 127 for int4), V512 two blocks
+// (AVX-512 VNNI's vpdpbusd; int32 lanes 0-7 hold the first block, 8-15 the second). `wload*`
+// readies a step's weights once for all rows of x: unsigned magnitudes plus the sign the
+// activations take (int8), or the 4-bit codes in element order (int4).
+struct V256 {
+  static constexpr int64_t step = 32;
+  using ivec = __m256i;
+  using fvec = __m256;
+  struct W { ivec sign; ivec u; };
+  static fvec zero() { return _mm256_setzero_ps(); }
+  static fvec fma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+  static fvec set(float v) { return _mm256_set1_ps(v); }
+  static fvec load(const float* p) { return _mm256_loadu_ps(p); }
+  static float sum(fvec v) { return hsum(v); }
+  static ivec xload(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static W wload8(const int8_t* q) {
+    const ivec w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    return {w, _mm256_abs_epi8(w)};
+  }
+  static W wload4(const uint8_t* q) {  // 32 codes from 16 bytes
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return {_mm256_setzero_si256(), _mm256_set_m128i(hi, lo)};
+  }
+  static fvec madd(ivec u, ivec s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static fvec dot8(const W& w, ivec x) { return madd(w.u, _mm256_sign_epi8(x, w.sign)); }
+  static fvec dot4(const W& w, ivec x) { return madd(w.u, x); }
+};
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+struct V512 {
+  static constexpr int64_t step = 64;
+  using ivec = __m512i;
+  using fvec = __m512;
+  struct W { ivec u; __mmask64 neg; };
+  static fvec zero() { return _mm512_setzero_ps(); }
+  static fvec fma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+  static fvec set(float v) { return _mm512_set1_ps(v); }
+  static fvec load(const float* p) { return _mm512_loadu_ps(p); }
+  static float sum(fvec v) { return _mm512_reduce_add_ps(v); }
+  static ivec xload(const int8_t* p) { return _mm512_loadu_si512(p); }
+  static W wload8(const int8_t* q) {
+    const ivec w = _mm512_loadu_si512(q);
+    return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+  }
+  static W wload4(const uint8_t* q) {  // 64 codes from 32 bytes (two blocks of the packed layout)
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i mask = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    const ivec c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo0 lo1 hi0 hi1
+    return {_mm512_shuffle_i64x2(c, c, _MM_SHUFFLE(3, 1, 2, 0)), 0};        // lo0 hi0 lo1 hi1
+  }
+  static fvec dot8(const W& w, ivec x) {
+    const ivec sx = _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.u, sx));
+  }
+  static fvec dot4(const W& w, ivec x) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.u, x));
+  }
+};
+constexpr int kIntPath = 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kIntPath = 1;
+#else
+constexpr int kIntPath = 0;
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// R rows of activations (codes xc, row stride k; lane scales xs, row stride k / 4) against one
+// weight row: out[i * stride] = the formula above without the offsets' term. V::step divides
+// the group size.
+template <class V, int R>
+inline void q8_rows(const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k, int64_t group,
+                    const float* scale, float* out, int64_t stride) {
+  typename V::fvec acc[R], part[R];
+  for (int i = 0; i < R; ++i) acc[i] = V::zero();
+  const int64_t groups = k / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < R; ++i) part[i] = V::zero();
+    for (int64_t j = g * group; j < (g + 1) * group; j += V::step) {
+      const typename V::W w = bits == 8 ? V::wload8(static_cast<const int8_t*>(qrow) + j)
+                                        : V::wload4(static_cast<const uint8_t*>(qrow) + j / 2);
+      for (int i = 0; i < R; ++i) {
+        const typename V::ivec x = V::xload(xc + i * k + j);
+        part[i] = V::fma(bits == 8 ? V::dot8(w, x) : V::dot4(w, x), V::load(xs + i * (k / 4) + j / 4), part[i]);
+      }
+    }
+    const typename V::fvec s = V::set(scale[g]);
+    for (int i = 0; i < R; ++i) acc[i] = V::fma(part[i], s, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) out[i * stride] = V::sum(acc[i]);
+}
+
+template <class V>
+inline void q8_block(int64_t rows, const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k,
+                     int64_t group, const float* scale, float* out, int64_t stride) {
+  switch (rows) {
+    case 4: q8_rows<V, 4>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
+    case 3: q8_rows<V, 3>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
+    case 2: q8_rows<V, 2>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
+    default: q8_rows<V, 1>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
+  }
+}
+#endif
+
+// The same without vectors (and for groups the vector step does not divide).
+inline float q8_row_scalar(const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k,
+                           int64_t group, const float* scale) {
+  float y = 0.f;
+  for (int64_t g = 0; g < k / group; ++g) {
+    float part = 0.f;
+    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
+      int32_t t = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int64_t e = b + j;
+        int32_t q;
+        if (bits == 8) {
+          q = static_cast<const int8_t*>(qrow)[e];
+        } else {
+          const uint8_t byte = static_cast<const uint8_t*>(qrow)[b / 2 + (j & 15)];
+          q = j < 16 ? (byte & 15) : (byte >> 4);
+        }
+        t += q * static_cast<int32_t>(xc[e]);
+      }
+      part += static_cast<float>(t) * xs[b / 4];
+    }
+    y += part * scale[g];
+  }
+  return y;
+}
+
+// `path` -1: the best this build has; 1 or 0: at most AVX2's, or the scalar loop (tests).
+at::Tensor quant_matmul_q8(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales_in,
+                           const at::Tensor& offsets_in, int64_t bits, int64_t group, int64_t path) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_matmul_q8: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x_in.dim() == 2, "quant_matmul_q8: x must be (M, K)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor scales = scales_in.to(at::kFloat).contiguous();
+  const bool has_offset = offsets_in.numel() > 0;
+  const at::Tensor offsets = has_offset ? offsets_in.to(at::kFloat).contiguous() : offsets_in;
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(qweight.is_contiguous(), "quant_matmul_q8: qweight must be contiguous");
+  TORCH_CHECK(qweight.size(1) * (bits == 4 ? 2 : 1) == k, "quant_matmul_q8: K of x and W differ");
+  TORCH_CHECK(group > 0 && group % 32 == 0 && k % group == 0, "quant_matmul_q8: the group size must be a "
+              "multiple of 32 dividing K, got ", group, " for K ", k);
+  const int64_t groups = k / group;
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups, "quant_matmul_q8: scales must be (N, K/group)");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), m, k, group, has_offset);
+  const int8_t* xc = xq.codes.data();
+  const float* xs = xq.scale8.data();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = has_offset ? offsets.data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const auto* qp = static_cast<const uint8_t*>(qweight.data_ptr());
+  const int64_t row_bytes = bits == 8 ? k : k / 2;
+  // 2: two blocks per vector step (AVX-512 VNNI; groups a multiple of 64), 1: one (AVX2), 0: none.
+  const int64_t best = path < 0 ? kIntPath : std::min<int64_t>(path, kIntPath);
+  const int vector = best == 2 && group % 64 == 0 ? 2 : best > 0 ? 1 : 0;
+  // A run of weight rows that fits in L2 meets every 4 rows of x before the next run is read.
+  const int64_t span = std::max<int64_t>(1, (int64_t{256} << 10) / row_bytes);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, k * m));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t s0 = n0; s0 < n1; s0 += span) {
+      const int64_t s1 = std::min(n1, s0 + span);
+      for (int64_t i = 0; i < m; i += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - i);
+        const int8_t* xci = xc + i * k;
+        const float* xsi = xs + i * (k / 4);
+        for (int64_t r = s0; r < s1; ++r) {
+          const void* qrow = qp + r * row_bytes;
+          const float* sr = sp + r * groups;
+          float* y = yp + i * n + r;
+          if (!vector) {
+            for (int64_t t = 0; t < rows; ++t)
+              y[t * n] = q8_row_scalar(xci + t * k, xsi + t * (k / 4), qrow, bits, k, group, sr);
+            continue;
+          }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+          if (vector == 2) {
+            q8_block<V512>(rows, xci, xsi, qrow, bits, k, group, sr, y, n);
+            continue;
+          }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+          q8_block<V256>(rows, xci, xsi, qrow, bits, k, group, sr, y, n);
+#endif
+        }
+        if (op)
+          for (int64_t t = 0; t < rows; ++t) {
+            const float* gs = xq.gsum.data() + (i + t) * groups;
+            for (int64_t r = s0; r < s1; ++r) {
+              float o = 0.f;
+              for (int64_t g = 0; g < groups; ++g) o += op[r * groups + g] * gs[g];
+              yp[(i + t) * n + r] += o;
+            }
+          }
+      }
+    }
+  });
+  return out;
+}
+
+// 2: AVX-512 VNNI, 1: AVX2, 0: scalar.
+int64_t int8_path() { return kIntPath; }
+
 }  // namespace
 
 TORCH_LIBRARY(qkv_quant, m) {
   m.def("quant_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits, int group) -> Tensor");
+  m.def("quant_matmul_q8(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bits, int group, int path=-1) -> Tensor");
+  m.def("int8_path() -> int", &int8_path);
 }
 
-TORCH_LIBRARY_IMPL(qkv_quant, CPU, m) { m.impl("quant_matmul", &quant_matmul); }
+TORCH_LIBRARY_IMPL(qkv_quant, CPU, m) {
+  m.impl("quant_matmul", &quant_matmul);
+  m.impl("quant_matmul_q8", &quant_matmul_q8);
+}
