@@ -312,10 +312,11 @@ class EngineConfig:
                 "`quantization_config` says, with quantization none.")
     quantization_group_size: int = described(128, "int4: input columns that share one scale (32, 64 or 128).")
     quantization_activations: QuantizationActivations = described(
-        "float32", "What a quantized layer multiplies its codes with on the CPU: float32 (the format's math, "
-                   "activations as they are) or int8 (each block of 32 activations rounded to int8 codes, as "
-                   "llama.cpp's Q8_0 does, and integer dot products: AVX-512 VNNI or AVX2); auto: int8 where the "
-                   "kernel has an integer vector path. Other devices always use float activations.")
+        "auto", "What a quantized layer multiplies its codes with on the CPU: float32 (the format's math, "
+                "activations as they are) or int8 (each block of 32 activations rounded to int8 codes, as "
+                "llama.cpp's Q8_0 does, and integer dot products: AVX-512 VNNI or AVX2); auto: int8 where the "
+                "kernel has an integer vector path (at most +0.01% bits/byte measured), else float32. Other "
+                "devices always use float activations.")
     quantize_lm_head: bool = described(False, "Quantize the LM head too; a tied head's token embedding "
                                               "then looks rows up in the same quantized matrix (an untied "
                                               "embedding stays full precision).")
