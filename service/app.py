@@ -212,11 +212,12 @@ def wants_prefix_router(args: AppArgs, behind_front: bool = False) -> bool:
         and args.max_engine_replicas() > 1 and (behind_front or haproxy_enabled())
 
 
-def router_options(args: AppArgs) -> dict[str, Any]:
+def router_options(args: AppArgs, **router_kwargs: Any) -> dict[str, Any]:
     """Deployment options for the engine with the prefix router: `PrefixAwareRouter` (service/routing/router.py),
-    weighing replicas by the load (and resident adapters) each reports every second."""
+    weighing replicas by the load (and resident adapters) each reports every second; `router_kwargs`
+    add to (or replace) its `initialize_state` arguments."""
     kwargs = {"block_size": args.block_size, "imbalance_threshold": args.routing_imbalance_threshold,
-              "route_by_prefix": args.enable_prefix_caching}
+              "route_by_prefix": args.enable_prefix_caching, **router_kwargs}
     return {"request_router_config": RequestRouterConfig(
         request_router_class="service.routing.router.PrefixAwareRouter", request_router_kwargs=kwargs,
         request_routing_stats_period_s=1.0, request_routing_stats_timeout_s=5.0)}
@@ -244,32 +245,36 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
 
     The wrapper is a Python callable, so no config file or command line can set it: tests use
     it to inject faults (tests/fault_injection.py). `deployment_name`: one model of a multi-model
-    app (service/multi_model.py), reached through the front's handle: the engine deployment alone,
-    under that name, its request router (when wanted) picking for the handle.
+    app behind its front (service/multi_model.py), reached through the front's handle: the engine
+    deployment alone, under that name, its request router (when wanted) picking for the handle.
     """
+    prefix_router = wants_prefix_router(args, behind_front=deployment_name is not None)
+    options = engine_options(args)
+    engine = (EngineBackend.options(name=deployment_name) if deployment_name else EngineDeployment).options(
+        **options, **(router_options(args) if prefix_router else {}),
+    ).bind(**engine_init(args, engine_wrapper))
+    scaling = options.get("autoscaling_config") or {"num_replicas": options.get("num_replicas")}
+    logger.info("building %s on %s: %s, admission %d per replica, %s, api key %s", args.resolved_name(),
+                "GPU" if use_gpu(args.accelerator) else "CPU", scaling, args.admission(),
+                "HAProxy" + (" with the prefix router" if prefix_router else "") if haproxy_enabled()
+                else "Serve's proxy", "on" if ingress_settings(args).api_key else "off")
+    if not prefix_router or deployment_name:
+        return engine
+    router = PrefixRoute.options(ray_actor_options={"num_cpus": args.router_num_cpus})
+    return engine._with_ingress_request_router(router.bind(engine))
+
+
+def engine_options(args: AppArgs) -> dict[str, Any]:
+    """The engine deployment's Serve options (resources, limits, scaling), without its request router."""
     EngineConfig(**args.engine_config())  # fail here, not in a replica, on bad knobs
-    gpu = use_gpu(args.accelerator)
-    resources = replica_resources(args.engine_num_cpus, gpu, args.tensor_parallel_size, args.tp_worker_num_cpus,
-                                  args.placement_group_strategy)
+    resources = replica_resources(args.engine_num_cpus, use_gpu(args.accelerator), args.tensor_parallel_size,
+                                  args.tp_worker_num_cpus, args.placement_group_strategy)
     if ray.is_initialized():
         warn_if_unplaceable(resources, ray.cluster_resources())
     scaling: dict[str, Any] = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
                                else {"num_replicas": args.num_replicas})
     capacity = args.admission()
-    settings = IngressSettings(
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_body_bytes=args.max_body_bytes,
-        max_header_bytes=args.max_header_bytes,
-        request_timeout_s=args.request_timeout_s,
-        max_attention_floats=args.max_attention_floats,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        overload_status=args.overload_status,
-        retry_after_s=args.retry_after_s,
-        admission_capacity=capacity,
-    )
-    prefix_router = wants_prefix_router(args, behind_front=deployment_name is not None)
-    engine = (EngineBackend.options(name=deployment_name) if deployment_name else EngineDeployment).options(
+    return dict(
         **resources,
         # The replica's own admission gate is the bound (and answers in the API's error shape);
         # Serve's limits sit above it.
@@ -280,12 +285,33 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         backpressure_config=BackpressureConfig(status_code=args.overload_status, retry_after_s=args.retry_after_s),
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         **scaling,
-        **(router_options(args) if prefix_router else {}),
-    ).bind(
+    )
+
+
+def ingress_settings(args: AppArgs) -> IngressSettings:
+    """What the replica's HTTP edge enforces, from the arguments."""
+    return IngressSettings(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        request_timeout_s=args.request_timeout_s,
+        max_attention_floats=args.max_attention_floats,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        overload_status=args.overload_status,
+        retry_after_s=args.retry_after_s,
+        admission_capacity=args.admission(),
+    )
+
+
+def engine_init(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """The engine replica's constructor arguments (`EngineReplica.__init__`)."""
+    gpu = use_gpu(args.accelerator)
+    return dict(
         model=args.model,
         served_model_name=args.resolved_name(),
         engine_config=args.engine_config(),
-        settings=dataclasses.asdict(settings),
+        settings=dataclasses.asdict(ingress_settings(args)),
         device=engine_device(gpu, args.tensor_parallel_size),
         dtype=args.dtype,
         seed=args.seed,
@@ -295,11 +321,3 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         stall_timeout_s=args.stall_timeout_s,
         stream_interval_ms=args.stream_interval_ms,
     )
-    logger.info("building %s on %s: %s, admission %d per replica, %s, api key %s", args.resolved_name(),
-                "GPU" if gpu else "CPU", scaling, capacity,
-                "HAProxy" + (" with the prefix router" if prefix_router else "") if haproxy_enabled()
-                else "Serve's proxy", "on" if settings.api_key else "off")
-    if not prefix_router or deployment_name:
-        return engine
-    router = PrefixRoute.options(ray_actor_options={"num_cpus": args.router_num_cpus})
-    return engine._with_ingress_request_router(router.bind(engine))

@@ -27,6 +27,7 @@ class FakeReplica:
     replica_id: ReplicaID
     max_ongoing_requests: int = 100
     routing_stats: dict = field(default_factory=dict)  # what record_routing_stats reported
+    replica_metadata: dict = field(default_factory=dict)  # what record_replica_metadata reported
 
 
 def pending(rid: str, prompt: list[int], lora: str | None = None) -> SimpleNamespace:
@@ -171,5 +172,40 @@ def test_without_prefix_routing_a_shared_prefix_routes_by_load() -> None:
         a, b = both = replicas("a", "b")
         r.on_request_routed(pending("r0", PREFIX), b.replica_id, None)
         assert ids(await r.choose_replicas(both, pending("r1", PREFIX + [1]))) == [["a", "b"]]
+
+    asyncio.run(scenario())
+
+
+def test_a_call_that_names_a_model_goes_to_that_models_replicas_only() -> None:
+    """A multi-model deployment (service/multi_model.py): a pick or a `ToModel` call chooses among the
+    replicas whose metadata names the model, by prefix within them (chained per model, so two models
+    with the same tokenizer never share an owner), and none is chosen while the model has none."""
+    from service.routing.router import RoutingPrompt, ToModel
+
+    async def scenario() -> None:
+        r = router(imbalance_threshold=8, model_block_sizes={"beta": 8})
+        a1, a2, b1, b2 = reps = replicas("a1", "a2", "b1", "b2")
+        for rep, model in zip(reps, ("alpha", "alpha", "beta", "beta")):
+            rep.replica_metadata = {"model": model}
+
+        def call(arg: object) -> SimpleNamespace:
+            return SimpleNamespace(args=[arg], kwargs={}, metadata=SimpleNamespace(internal_request_id="x"))
+
+        for _ in range(10):
+            assert {x.replica_id.unique_id for rank in await r.choose_replicas(reps, call(ToModel("beta")))
+                    for x in rank} == {"b1", "b2"}
+        (first,) = (await r.choose_replicas(reps, call(RoutingPrompt(PREFIX, None, "alpha"))))[0][:1]
+        assert first.replica_id.unique_id in {"a1", "a2"}
+        for _ in range(5):  # the prefix stays with its alpha replica
+            ranks = await r.choose_replicas(reps, call(RoutingPrompt(PREFIX + [7], None, "alpha")))
+            assert ranks[0] == [first] and {x.replica_id.unique_id for x in ranks[1]} == {"a1", "a2"} - {
+                first.replica_id.unique_id}
+        # The same ids under beta (block size 8) are another chain: a load pick among beta's replicas.
+        picks = {(await r.choose_replicas(reps, call(RoutingPrompt(PREFIX + [9], None, "beta"))))[0][0]
+                 .replica_id.unique_id for _ in range(3)}
+        assert picks <= {"b1", "b2"}
+        assert await r.choose_replicas([a1, a2], call(ToModel("beta"))) == []  # beta has no replica up
+        assert {x.replica_id.unique_id for rank in await r.choose_replicas(reps, call(RoutingPrompt(PREFIX)))
+                for x in rank} <= {"a1", "a2", "b1", "b2"}  # no model named: any replica
 
     asyncio.run(scenario())

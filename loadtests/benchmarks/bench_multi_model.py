@@ -1,15 +1,23 @@
-"""What the multi-model front costs per token: the same model served as a one-model app (HAProxy
-straight to the engine replica's own HTTP edge) and as the one entry of a `models:` app (HAProxy ->
-the ModelRouter front -> a streaming handle -> the replica's edge; service/multi_model.py), in turn
-on one local Ray, on `bench_service.py`'s workload and client (streaming `/v1/completions`, closed
-loop at each `--concurrency`).
+"""What serving a model inside a multi-model app costs per token against serving it alone, in
+each of the multi-model layouts (service/multi_model.py), on one local Ray, on `bench_service.py`'s
+workload and client (streaming `/v1/completions` naming the model, closed loop at each
+`--concurrency`):
 
-Per path: tokens/s, TTFT and inter-chunk latency percentiles, tokens per SSE chunk, and CPU per
-generated token of the serving path (HAProxy, the engine replica outside its step, the front),
-with the front's share shown apart.
+- direct: a one-model app (HAProxy straight to the engine replica's own HTTP edge);
+- one deployment: a `models:` app of the model and a second, tiny model (the default layout):
+  HAProxy asks the prefix router for each request's replica (a replica of the model the body
+  names) and goes straight to it;
+- front: the same two models with options that need deployments of their own, behind the
+  ModelRouter front (HAProxy -> front -> streaming handle -> the replica's edge).
+
+Each round deploys the three apps in turn; a path's figure is the median over rounds of its
+ratio to the same round's direct run. Per path: tokens/s, TTFT and inter-chunk latency
+percentiles, tokens per SSE chunk, and CPU per generated token of the serving path (HAProxy, the
+engine replicas outside their step, the prefix router, the front), with the router's and the
+front's shares shown apart.
 
     .venv/bin/python loadtests/benchmarks/bench_multi_model.py [--model transformer-base] [--concurrency 1 16]
-        [--threads 2] [--out results/bench_multi_model.json]
+        [--threads 2] [--rounds 3] [--out results/bench_multi_model.json]
     .venv/bin/python loadtests/benchmarks/bench_multi_model.py --quick   # tiny model, a few requests: checks it runs
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +49,9 @@ from loadtests.tools.results import add_result_args, print_table, write_result  
 
 HTTP_PORT = 18410
 FRONT = "multi-model front"
+ROUTER = "prefix router"  # bench_service's name for the PrefixRoute process
+PATHS = {"direct": "direct (HAProxy -> replica)", "one deployment": "one deployment (HAProxy -> replica of the model)",
+         "front": "front (HAProxy -> front -> replica)"}
 _role = bench_service.role
 
 
@@ -62,7 +74,8 @@ def tiny_checkpoint(directory: str) -> str:
     return directory
 
 
-def serve_and_measure(app_args: dict[str, Any], loads: dict[int, tuple[list[list[int]], list[int]]]) -> dict[int, Any]:
+def serve_and_measure(path: str, app_args: dict[str, Any],
+                      loads: dict[int, tuple[list[list[int]], list[int]]]) -> dict[int, Any]:
     from service.app import build_app
 
     serve.run(build_app(app_args), name="qkv", route_prefix="/")
@@ -78,13 +91,13 @@ def serve_and_measure(app_args: dict[str, Any], loads: dict[int, tuple[list[list
     out = {}
     try:
         for c, (prompts, max_tokens) in loads.items():
-            run_service(url, prompts[:2], [4, 4], 1)  # warm the path (first request's set-up)
+            run_service(url, prompts[:2], [4, 4], 1, model="bench")  # warm the path (first request's set-up)
             before, t0 = cpu_snapshot(), time.perf_counter()
-            served = run_service(url, prompts, max_tokens, c)
+            served = run_service(url, prompts, max_tokens, c, model="bench")
             wall, after = time.perf_counter() - t0, cpu_snapshot()
             served["cpu"] = cpu_used(before, after, served["output_tokens"], wall)
             out[c] = served
-            print(f"{'front' if 'models' in app_args else 'direct'}, {c} clients: {served['tokens_per_s']:.1f} tok/s, "
+            print(f"{path}, {c} clients: {served['tokens_per_s']:.1f} tok/s, "
                   f"{served['tokens_per_chunk']:.2f} tokens/chunk", flush=True)
     finally:
         serve.delete("qkv")
@@ -92,18 +105,22 @@ def serve_and_measure(app_args: dict[str, Any], loads: dict[int, tuple[list[list
 
 
 def table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    columns = ["clients", "path", "tok/s", "vs direct", "TTFT p50", "ITL p50", "ITL p99", "tokens/chunk",
-               "serving CPU ms/token", "of it the front"]
+    """Per client count and path: the median round's figures, and the median of per-round ratios to direct."""
+    columns = ["clients", "path", "tok/s", "vs direct", "rounds' ratios", "TTFT p50", "ITL p50", "ITL p99",
+               "tokens/chunk", "serving CPU ms/token", "of it router + front"]
     ms = lambda d, q: f"{d[q] * 1e3:.1f} ms"  # noqa: E731
     rows = []
-    for c in res["direct"]:
-        d = res["direct"][c]
-        for path, r in (("direct (HAProxy -> replica)", d), ("front (HAProxy -> front -> replica)", res["front"][c])):
-            front = r["cpu"].get(FRONT, {}).get("ms_per_token", 0.0)
-            rows.append([str(c), path, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / d['tokens_per_s']:.2f}x",
-                         ms(r["ttft_s"], "p50"), ms(r["itl_s"], "p50"), ms(r["itl_s"], "p99"),
-                         f"{r['tokens_per_chunk']:.2f}", f"{r['cpu']['serving path']['ms_per_token']:.3f}",
-                         f"{front:.3f}"])
+    rounds = res["rounds"]
+    for c in rounds[0]["direct"]:
+        for path, label in PATHS.items():
+            runs = [r[path][c] for r in rounds]
+            ratios = [r[path][c]["tokens_per_s"] / r["direct"][c]["tokens_per_s"] for r in rounds]
+            median = sorted(runs, key=lambda x: x["tokens_per_s"])[len(runs) // 2]
+            extra = sum(median["cpu"].get(part, {}).get("ms_per_token", 0.0) for part in (FRONT, ROUTER))
+            rows.append([str(c), label, f"{median['tokens_per_s']:.1f}", f"{statistics.median(ratios):.2f}x",
+                         " ".join(f"{x:.2f}" for x in ratios), ms(median["ttft_s"], "p50"), ms(median["itl_s"], "p50"),
+                         ms(median["itl_s"], "p99"), f"{median['tokens_per_chunk']:.2f}",
+                         f"{median['cpu']['serving path']['ms_per_token']:.3f}", f"{extra:.3f}"])
     return columns, rows
 
 
@@ -114,6 +131,7 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="each round deploys and measures the three paths")
     ap.add_argument("--quick", action="store_true", help="a tiny model and 4 short requests at 1 and 4 clients")
     add_result_args(ap, "results/bench_multi_model.json")
     args = ap.parse_args()
@@ -129,16 +147,25 @@ def main() -> None:
     for c in concurrency:
         prompts, max_tokens = workload(n_requests(c), args.seed, vocab)
         loads[c] = (prompts, [16 for _ in max_tokens] if args.quick else max_tokens)
-    one = {"model": model, "accelerator": "cpu", "dtype": "float32", "max_num_seqs": 64,
+    one = {"model": model, "served_model_name": "bench", "accelerator": "cpu", "dtype": "float32", "max_num_seqs": 64,
            "engine_num_cpus": 1 if not args.quick else 0.5, "torch_threads": args.threads}
+    second = {**one, "model": tiny_checkpoint(tempfile.mkdtemp(prefix="qkv-bench-second-")),
+              "served_model_name": "second", "torch_threads": 1}
+    apps = {"direct": one,
+            "one deployment": {"models": [one, second], "router_num_cpus": 0.25},
+            # Another replica CPU count for the second model: entries that one deployment cannot hold.
+            "front": {"models": [one, {**second, "engine_num_cpus": one["engine_num_cpus"] / 2}],
+                      "router_num_cpus": 0.25}}
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
         res = {"model": "tiny (--quick)" if args.quick else args.model, "threads": args.threads, "serve_env": SERVE_ENV,
                "load_average_start": os.getloadavg()}
-        res["direct"] = serve_and_measure(one, loads)
-        res["front"] = serve_and_measure({"models": [one], "router_num_cpus": 0.25}, loads)
+        res["rounds"] = []
+        for i in range(1 if args.quick else args.rounds):
+            print(f"round {i + 1}", flush=True)
+            res["rounds"].append({path: serve_and_measure(path, app, loads) for path, app in apps.items()})
         res["load_average_end"] = os.getloadavg()
     finally:
         try:
@@ -150,7 +177,7 @@ def main() -> None:
     print_table(columns, rows)
     if args.out:
         write_result(args.out, "bench_multi_model", columns, rows, raw=res, note=args.note,
-                     title=f"One model behind the multi-model front against served directly: {res['model']}")
+                     title=f"One model inside a multi-model app against served alone: {res['model']}")
 
 
 if __name__ == "__main__":

@@ -146,9 +146,9 @@ class BareEngine:
         return run_engine(self.engine, prompts, max_tokens, concurrency)
 
 
-async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, model: str | None = None) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
     sent = time.perf_counter()
     chunk_times, usage = [], None
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -167,7 +167,8 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) ->
     return {"sent": sent, "chunks": chunk_times, "tokens": usage["completion_tokens"]}
 
 
-async def _clients(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int) -> list[dict]:
+async def _clients(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+                   model: str | None = None) -> list[dict]:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
         queue.put_nowait(i)
@@ -177,16 +178,18 @@ async def _clients(url: str, prompts: list[list[int]], max_tokens: list[int], co
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
-                results.append(await _one(client, prompts[i], max_tokens[i]))
+                results.append(await _one(client, prompts[i], max_tokens[i], model))
 
-        await _one(client, prompts[0][:8], 4)  # warm-up
+        await _one(client, prompts[0][:8], 4, model)  # warm-up
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
 
 
-def run_service(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int) -> dict[str, Any]:
+def run_service(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
+                model: str | None = None) -> dict[str, Any]:
+    """`concurrency` streaming clients over the prompts (each request naming `model`, if given)."""
     t0 = time.perf_counter()
-    results = asyncio.run(_clients(url, prompts, max_tokens, concurrency))
+    results = asyncio.run(_clients(url, prompts, max_tokens, concurrency, model))
     secs = time.perf_counter() - t0
     produced = sum(r["tokens"] for r in results)
     assert produced == sum(max_tokens), "the service did not produce every requested token"

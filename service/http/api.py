@@ -56,6 +56,7 @@ class IngressSettings:
     max_attention_floats: int = 1 << 20  # the most weights one /v1/attention answer may hold
     tool_call_parser: str = "auto"  # service/tools/formats.py: auto (from the chat template), none, or a format
     reasoning_parser: str = "auto"  # service/tools/reasoning.py: auto, none, qwen3, deepseek_r1
+    app_models: tuple[str, ...] = ()  # a multi-model app's served models (named in a 404); empty: one model
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -263,13 +264,36 @@ class HeldResponse(Response):
         return bytes(response.body)
 
 
+def adapter_card(serving: OpenAIServing, name: str, created: int) -> dict[str, Any]:
+    """The `/v1/models` card of a LoRA adapter of the served model."""
+    info = serving.info
+    return {"id": name, "object": "model", "created": created, "owned_by": "qkv-serve",
+            "parent": info.served_model_name, "root": info.served_model_name, "max_model_len": info.max_model_len}
+
+
+def model_cards(serving: OpenAIServing, created: int) -> list[dict[str, Any]]:
+    """The `/v1/models` cards of the served model and of its LoRA adapters (those loaded since included)."""
+    info = serving.info
+    card = {"id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
+            "max_model_len": info.max_model_len,
+            "tool_call_parser": serving.tool_format.name if serving.tool_format else None,
+            "reasoning_parser": "think" if serving.reasoning else None,
+            "quantization": info.quantization["method"] if info.quantization else "none",
+            "quantization_config": info.quantization}
+    return [card, *(adapter_card(serving, name, created) for name in serving.adapter_names())]
+
+
 def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: IngressSettings,
-              on_response: Callable[[str, int], None] | None = None) -> FastAPI:
+              on_response: Callable[[str, int], None] | None = None,
+              app_cards: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
+              created: int | None = None) -> FastAPI:
     """The FastAPI app over `serving`; `healthy()` answers /health (the local engine's state);
-    `on_response(route, status)` is called as each response starts (`ResponseCounter`)."""
+    `on_response(route, status)` is called as each response starts (`ResponseCounter`);
+    `app_cards()`: every model's `/v1/models` cards where this replica serves one model of several
+    (service/multi_model.py; None: its own model's cards); `created`: the cards' time."""
     app = FastAPI(title="qkv-serve", docs_url=None, redoc_url=None)
     limit = settings.max_body_bytes
-    created = int(time.time())
+    created = int(time.time()) if created is None else created
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -288,30 +312,28 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
             return await serving.chat(await read_model(request, ChatCompletionRequest, limit))
         return await respond(work())
 
-    def adapter_card(name: str) -> dict[str, Any]:
-        info = serving.info
-        return {"id": name, "object": "model", "created": created, "owned_by": "qkv-serve",
-                "parent": info.served_model_name, "root": info.served_model_name, "max_model_len": info.max_model_len}
-
-    def model_card() -> dict[str, Any]:
-        info = serving.info
-        return {"id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
-                "max_model_len": info.max_model_len,
-                "tool_call_parser": serving.tool_format.name if serving.tool_format else None,
-                "reasoning_parser": "think" if serving.reasoning else None,
-                "quantization": info.quantization["method"] if info.quantization else "none",
-                "quantization_config": info.quantization}
+    async def cards() -> list[dict[str, Any]]:
+        return await app_cards() if app_cards is not None else model_cards(serving, created)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        adapters = [adapter_card(name) for name in serving.adapter_names()]  # LoRA adapters over the model
-        return JSONResponse({"object": "list", "data": [model_card(), *adapters]})
+        async def work() -> Any:
+            return {"object": "list", "data": await cards()}
+        return await respond(work())
 
     @app.get("/v1/models/{model_id:path}")
     async def model_by_id(model_id: str) -> Response:
         async def work() -> Any:
-            serving.check_model(model_id)
-            return adapter_card(model_id) if serving.adapter_of(model_id) else model_card()
+            if app_cards is None:
+                serving.check_model(model_id)
+            for card in await cards():
+                if card["id"] == model_id:
+                    return card
+            if serving.adapter_of(model_id):  # `<served>:<adapter>` not loaded yet: served all the same
+                return adapter_card(serving, model_id, created)
+            serving.check_model(model_id)  # a 404 naming what is served
+            raise APIError(f"The model '{model_id}' does not exist.", 404, "invalid_request_error", "model",
+                           "model_not_found")
         return await respond(work())
 
     @app.post("/tokenize")

@@ -46,11 +46,13 @@ class OpenAIServing:
 
     def __init__(self, info: ModelInfo, engine: Any, overload: OverloadPolicy,
                  request_timeout_s: float | None = None, tool_call_parser: str = "auto",
-                 reasoning_parser: str = "auto") -> None:
+                 reasoning_parser: str = "auto", app_models: tuple[str, ...] = ()) -> None:
         """`tool_call_parser`: "auto" (the format the chat template writes calls in), "none" or
         a format name (service/tools/formats.py); `reasoning_parser`: "auto" (split `<think>`
-        when the template thinks), "none", "qwen3" or "deepseek_r1"."""
+        when the template thinks), "none", "qwen3" or "deepseek_r1"; `app_models`: every served
+        model of a multi-model app, named in the 404 for an unknown model (empty: this one)."""
         self.info = info
+        self.app_models = tuple(app_models) or (info.served_model_name,)
         self.tokenizer = info.tokenizer
         self._engine = engine
         self._gate = AdmissionGate(overload.capacity, lambda: overloaded_error(overload.status, overload.retry_after_s))
@@ -118,7 +120,7 @@ class OpenAIServing:
         loading, found or not by the engine) is served too; any other name is a 404."""
         if model is not None and model != self.info.served_model_name and self.adapter_of(model) is None:
             raise APIError(f"The model '{model}' does not exist; this server serves "
-                           f"'{self.info.served_model_name}'.", 404, "invalid_request_error", "model",
+                           f"{', '.join(map(repr, self.app_models))}.", 404, "invalid_request_error", "model",
                            "model_not_found")
 
     def adapter_names(self) -> list[str]:

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ from model.engine.sequence import RequestOutput
 from service.engine.engine_loop import EngineFailure, EngineLoop, SubRequest, TorchThread, _Sink
 from service.engine.metrics import EngineMetrics
 from service.engine.model_info import ModelInfo
-from service.http.api import API_KEY_ENV, IngressSettings, build_api
+from service.http.api import API_KEY_ENV, IngressSettings, build_api, model_cards
 from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
@@ -285,7 +286,9 @@ class EngineReplica:
         overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s,
                                   self._settings.admission_capacity)
         self._serving = OpenAIServing(self._host.model_info(), self._host, overload, self._settings.request_timeout_s,
-                                      self._settings.tool_call_parser, self._settings.reasoning_parser)
+                                      self._settings.tool_call_parser, self._settings.reasoning_parser,
+                                      tuple(self._settings.app_models))
+        self._created = int(time.time())  # the model cards' time
         runtime = engine.runtime
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d "
                     "admission=%d api key %s", model, runtime.device, runtime.dtype, runtime.max_model_len,
@@ -293,21 +296,40 @@ class EngineReplica:
                     "on" if self._settings.api_key else "off")
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_api(self._serving, self._host.healthy, self._settings, self._host.metrics.observe_response)
+        return self._edge()
 
-    _forwarded_api: Any = None  # the HTTP edge that answers `forward` (built on first use)
+    _edge_app: Any = None
+
+    def _edge(self) -> Any:
+        """This replica's HTTP edge, the FastAPI app over its engine: one per replica, so that what
+        HAProxy sends and what `forward` carries share its state (the Responses store)."""
+        if self._edge_app is None:
+            self._edge_app = self._build_edge()
+        return self._edge_app
+
+    def _build_edge(self) -> Any:
+        return build_api(self._serving, self._host.healthy, self._settings, self._host.metrics.observe_response,
+                         created=self._created)
 
     async def forward(self, route: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """One HTTP request from the multi-model front (service/multi_model.py), answered by this
         replica's HTTP edge as if HAProxy had sent it; `route` is what the request router picks the
         replica by (a `RoutingPrompt`, or None). Call it through a streaming handle."""
-        if self._forwarded_api is None:
-            self._forwarded_api = self.__serve_build_asgi_app__()
-        async for item in run_asgi(self._forwarded_api, request):
+        async for item in run_asgi(self._edge(), request):
             yield item
 
-    def model_info(self) -> ModelInfo:
+    def model_info(self, route: Any = None) -> ModelInfo:
+        """The served model's facts; `route` (a `ToModel`) is what the request router picks a
+        replica of a multi-model deployment by."""
         return self._host.model_info()
+
+    def model_cards(self, route: Any = None) -> list[dict[str, Any]]:
+        """This replica's `/v1/models` cards (its model and adapters); `route` as for `model_info`."""
+        return model_cards(self._serving, self._created)
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """Read by Serve once the replica is ready and shown to request routers: the model it serves."""
+        return {"model": self._host.served_model_name}
 
     def healthy(self) -> bool:
         """False once the step loop has died or has made no progress for `stall_timeout_s`;
@@ -347,10 +369,10 @@ class EngineReplica:
                 logger.exception("could not shut the engine's workers down")
 
 
-_DEPLOYMENT = {"health_check_period_s": 5, "health_check_timeout_s": 30}
+DEPLOYMENT_DEFAULTS = {"health_check_period_s": 5, "health_check_timeout_s": 30}
 # The app's ingress: the replica's HTTP edge (the FastAPI app built per replica by
 # __serve_build_asgi_app__) is what HAProxy sends requests to.
-EngineDeployment = serve.deployment(name="EngineDeployment", **_DEPLOYMENT)(serve.ingress()(EngineReplica))
+EngineDeployment = serve.deployment(name="EngineDeployment", **DEPLOYMENT_DEFAULTS)(serve.ingress()(EngineReplica))
 # One model of a multi-model app (service/multi_model.py): Serve takes one ASGI ingress per app, the
 # front, which reaches this replica's edge through `forward`.
-EngineBackend = serve.deployment(name="EngineBackend", **_DEPLOYMENT)(EngineReplica)
+EngineBackend = serve.deployment(name="EngineBackend", **DEPLOYMENT_DEFAULTS)(EngineReplica)

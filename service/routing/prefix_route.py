@@ -10,10 +10,17 @@ request router (`service.routing.router.PrefixAwareRouter`) for a replica withou
 HAProxy then forwards the request straight to that replica's own HTTP port and streams the
 answer back. One call per request, none per token. A body that is not a valid request (or is
 too large for HAProxy to pass on whole) is routed by load alone; the replica answers its error.
+
+A multi-model app served as one deployment (service/multi_model.py) has it too: it reads the
+body's `model`, resolves it to a served model (`ModelNames`: adapters and `<served>:<adapter>`
+included) and picks among that model's replicas only, by prefix where that model has several
+replicas and a prefix cache. A request without `model` goes to the first model's replicas; an
+unknown `model` or an unreadable body to any replica, whose edge answers the 404 or 400.
 """
 
 # No `from __future__ import annotations`: FastAPI must see `Request` as a class in the routes.
 
+import asyncio
 import logging
 from typing import Any
 
@@ -24,9 +31,13 @@ from starlette.responses import JSONResponse
 
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
-from service.routing.router import RoutingPrompt
+from service.routing.model_names import UNREADABLE, ModelNames, ServedModel, body_model
+from service.routing.router import RoutingPrompt, ToModel
 
 logger = logging.getLogger(__name__)
+
+# How long a pick may wait for a replica of the model (HAProxy gives the router 5 s by default).
+PICK_TIMEOUT_S = 4.0
 
 route_api = FastAPI(docs_url=None, redoc_url=None)
 
@@ -36,28 +47,59 @@ route_api = FastAPI(docs_url=None, redoc_url=None)
 class PrefixRoute:
     """Answers HAProxy's `/internal/route` with the engine replica to send a request to."""
 
-    async def __init__(self, engine: Any) -> None:
+    async def __init__(self, engine: Any, models: list[ServedModel] | None = None,
+                       by_prefix: list[str] | None = None) -> None:
+        """`models`: a multi-model deployment's served models, in the app's order (None: one model);
+        `by_prefix`: those of them whose requests are routed by prompt prefix (tokenized here); the
+        others by adapter and load."""
         self._engine = engine
-        info = await engine.model_info.remote()
-        self._serving = OpenAIServing(info, None, OverloadPolicy())  # its tokenizer and chat template only
+        self._names = ModelNames(models) if models else None
+        self._serving: dict[str | None, OpenAIServing] = {}  # tokenizer and chat template, per model routed by prefix
+        if self._names is None:
+            self._serving[None] = OpenAIServing(await engine.model_info.remote(), None, OverloadPolicy())
+        else:
+            for name in by_prefix or ():
+                info = await engine.model_info.remote(ToModel(name))
+                self._serving[name] = OpenAIServing(info, None, OverloadPolicy())
         self.routed = 0  # requests answered with a replica
         # The handle's first pick waits for Serve to tell it the replicas, which can outlast
         # HAProxy's patience with the router (it then balances by itself): wait here instead.
         async with engine.choose_replica(_reserve=False):
             pass
 
+    def routing_argument(self, body: bytes) -> RoutingPrompt | None:
+        """What the request router picks this request's replica by (None: load alone, any replica)."""
+        if self._names is None:
+            routed = self._serving[None].routing_prompt(body) if body else None
+            return RoutingPrompt(*routed) if routed else None
+        model = body_model(body)
+        target = None if model is UNREADABLE else self._names.target(model)
+        if target is None:  # unreadable, or a model not served here: any replica's edge answers the error
+            return None
+        serving = self._serving.get(target)  # tokenized only where that model routes by prefix
+        routed = serving.routing_prompt(body) if serving is not None else None
+        lora = model if isinstance(model, str) and model != target else None
+        return RoutingPrompt(routed[0] if routed else [], lora, target)
+
     @route_api.post("/internal/route")
     async def route(self, request: Request) -> Any:
         body = await request.body()
-        routed = self._serving.routing_prompt(body) if body else None
-        args = (RoutingPrompt(*routed),) if routed else ()
-        try:
+        argument = self.routing_argument(body)
+        args = (argument,) if argument is not None else ()
+
+        async def pick() -> tuple[tuple[str, int] | None, str]:
             async with self._engine.choose_replica(*args, _reserve=False) as selection:
                 replica = selection._replica  # Ray Serve LLM's direct streaming reads it the same way
-                endpoint = replica.backend_http_endpoint
-                replica_id = replica.replica_id.to_full_id_str()
+                return replica.backend_http_endpoint, replica.replica_id.to_full_id_str()
+
+        try:
+            endpoint, replica_id = await asyncio.wait_for(pick(), PICK_TIMEOUT_S)
         except DeploymentUnavailableError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=503)
+        except asyncio.TimeoutError:  # no replica of the model is running (starting, or being replaced)
+            what = f"of the model {argument.model!r} " if argument is not None and argument.model else ""
+            return JSONResponse({"detail": f"no replica {what}could take the request within {PICK_TIMEOUT_S:g} s"},
+                                status_code=503)
         if endpoint is None:
             return JSONResponse({"detail": f"replica {replica_id} has no HTTP endpoint"}, status_code=503)
         host, port = endpoint

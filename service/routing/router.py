@@ -22,6 +22,11 @@ no known prefix it goes to a replica holding the adapter: one that reports it re
 time, so a burst for an adapter no replica has yet loads it on one replica, not on all), the
 least busy of those, unless it has `imbalance_threshold` more requests than the least busy replica.
 
+Several models in one deployment (service/multi_model.py): each replica serves one model and says
+which in its `record_replica_metadata` (`{"model": served name}`); a call whose routing argument
+names a `model` is routed among that model's replicas only, by the same policy. The prefix chain
+is salted by the model too, so two models never share an owner map entry.
+
 What it knows is what it routed, not what the engines still hold: an engine may have evicted a
 block since, and several router replicas each learn on their own. Both only cost hit rate (and an
 adapter load), never correctness.
@@ -44,11 +49,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RoutingPrompt:
-    """The routing argument of a pick-only `choose_replica` call: the request's prompt ids and
-    the LoRA adapter it runs under (None: the base model)."""
+    """The routing argument of a pick-only `choose_replica` call: the request's prompt ids, the
+    LoRA adapter it runs under (None: the base model) and the served model whose replicas may take
+    it (None: any replica)."""
 
     prompt_token_ids: list[int]
     lora: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class ToModel:
+    """The first argument of a dispatched handle call that must reach a replica serving `model`
+    (a multi-model deployment's replicas asking each other for their model cards)."""
+
+    model: str
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,12 @@ class _Route:
     prompt: list[int] | None = None
     lora: str | None = None
     pick_only: bool = False  # a `RoutingPrompt`: nothing is dispatched, no on_request_routed follows
+    model: str | None = None  # only replicas serving this model may take it; None: any
+
+
+def replica_model(replica: RunningReplica) -> str | None:
+    """The served model a replica reported in its `record_replica_metadata` (None: it did not say)."""
+    return (getattr(replica, "replica_metadata", None) or {}).get("model")
 
 
 def _route(pending_request: PendingRequest | None) -> _Route:
@@ -69,15 +90,18 @@ def _route(pending_request: PendingRequest | None) -> _Route:
     # `RoutingPrompt` is not the class object the caller built the argument with.
     if not isinstance(first, list) and hasattr(first, "prompt_token_ids"):
         prompt = first.prompt_token_ids
-        return _Route(prompt if isinstance(prompt, list) else None, getattr(first, "lora", None), True)
+        return _Route(prompt if isinstance(prompt, list) else None, getattr(first, "lora", None), True,
+                      getattr(first, "model", None))
+    if not isinstance(first, list) and isinstance(getattr(first, "model", None), str):  # a `ToModel`
+        return _Route(model=first.model)
     if isinstance(first, list) and first:  # generate(list[SubRequest]): the choices share the prompt
         return _Route(getattr(first[0], "prompt_token_ids", None), getattr(first[0], "lora", None))
     return _Route()
 
 
-def _salt(lora: str | None) -> bytes:
-    """The hash chain's seed: a prefix under one adapter is not the same prefix under another."""
-    return b"" if lora is None else b"|lora:" + lora.encode()
+def _salt(lora: str | None, model: str | None = None) -> bytes:
+    """The hash chain's seed: a prefix under one adapter (or model) is not the same prefix under another."""
+    return (b"" if model is None else b"|model:" + model.encode()) + (b"" if lora is None else b"|lora:" + lora.encode())
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -86,14 +110,16 @@ class PrefixAwareRouter(RequestRouter):
 
     def initialize_state(self, block_size: int = 16, imbalance_threshold: int = 8, min_match_rate: float = 0.1,
                          max_blocks: int = 200_000, max_adapters: int = 10_000, route_by_prefix: bool = True,
-                         **_: Any) -> None:
+                         model_block_sizes: dict[str, int] | None = None, **_: Any) -> None:
         """`request_router_kwargs`: the engine's `block_size`; how many more requests in flight the
         prefix's (or adapter's) replica may have than the least busy one; the least fraction of the
         prompt that must match; how many block hashes and adapters to remember (least recently
         routed forgotten first); `route_by_prefix` False (engines without a prefix cache): by
-        adapter and load only."""
+        adapter and load only; `model_block_sizes`: a multi-model deployment's block size per served
+        model, where it differs from `block_size`."""
         self._route_by_prefix = route_by_prefix
         self._block_size = block_size
+        self._model_block_sizes = dict(model_block_sizes or {})
         self._imbalance = imbalance_threshold
         self._min_match_rate = min_match_rate
         self._max_blocks = max_blocks
@@ -106,7 +132,10 @@ class PrefixAwareRouter(RequestRouter):
         """Block hashes of the request's prompt, salted by its adapter."""
         if not route.prompt or not self._route_by_prefix:
             return []
-        return block_hashes(route.prompt, self._block_size, _salt(route.lora))
+        return block_hashes(route.prompt, self._block_size_of(route), _salt(route.lora, route.model))
+
+    def _block_size_of(self, route: _Route) -> int:
+        return self._model_block_sizes.get(route.model, self._block_size) if route.model else self._block_size
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)
@@ -143,15 +172,17 @@ class PrefixAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        route = _route(pending_request)
+        if route.model is not None:  # a multi-model deployment: that model's replicas only
+            candidate_replicas = [r for r in candidate_replicas if replica_model(r) == route.model]
         if not candidate_replicas:
             return []
-        route = _route(pending_request)
         hashes = self._hashes(route)
         least = min(self._load(r) for r in candidate_replicas)
         ranks: list[list[RunningReplica]] | None = None
         if hashes:
             holder, run = self._holder(hashes, {r.replica_id: r for r in candidate_replicas})
-            if holder is not None and run * self._block_size >= self._min_match_rate * len(route.prompt or ()) \
+            if holder is not None and run * self._block_size_of(route) >= self._min_match_rate * len(route.prompt or ()) \
                     and self._load(holder) - least <= self._imbalance:
                 # The holder first; if it cannot take the request, the others by load.
                 ranks = [[holder], [r for r in candidate_replicas if r is not holder]]
