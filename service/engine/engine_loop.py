@@ -62,15 +62,18 @@ class EngineFailure:
 
 
 class _Sink:
-    """Where one caller's outputs land: an asyncio queue fed from the loop thread."""
+    """Where one caller's outputs land: a list fed on the caller's event loop (from the loop
+    thread through `call_soon_threadsafe`), and a future the reader waits on while it is empty.
+    Lighter than an asyncio.Queue, which this is on the path of every token."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._queue: asyncio.Queue[list[RequestOutput] | EngineFailure] = asyncio.Queue()
+        self._items: list[list[RequestOutput] | EngineFailure] = []
+        self._waiter: asyncio.Future[None] | None = None
 
     def put_threadsafe(self, item: list[RequestOutput] | EngineFailure) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self.put, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -88,19 +91,26 @@ class _Sink:
 
     def put(self, item: list[RequestOutput] | EngineFailure) -> None:
         """Add an item from the sink's own event loop."""
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get_all(self, not_before: float = 0.0) -> list[list[RequestOutput] | EngineFailure]:
-        """Wait for one item, then take everything already queued, so a slow consumer
-        gets several steps at once instead of falling behind. A caller that paces its reads
-        passes `not_before` (event-loop time): nothing is taken before then, so everything
-        the steps delivered meanwhile comes out in one list."""
+        """Wait for one item, then take everything already there, so a slow consumer gets
+        several steps at once instead of falling behind. A caller that paces its reads passes
+        `not_before` (event-loop time): nothing is taken before then, so everything the steps
+        delivered meanwhile comes out in one list."""
         delay = not_before - self._loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
         return items
 
 

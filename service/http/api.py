@@ -20,12 +20,13 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthropic_error_response
 from service.http.attention_api import add_attention_routes
 from service.http.engine_call import watch_first_item
+from service.http.event_stream import RAW_SEND, EventStream
 from service.http.errors import APIError, from_validation_error
 from service.openai.embeddings import add_embeddings_routes
 from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -113,14 +114,20 @@ class HeaderLimitMiddleware:
 class ResponseCounter:
     """Calls `record(route, status)` as each HTTP response starts: the route template the request
     matched (`/v1/models/{model_id:path}`, a bounded set), `other` for a path that matched none.
-    Outermost, so the 431s and 401s of the middlewares inside it count too."""
+    Outermost, so the 431s and 401s of the middlewares inside it count too; it also keeps the
+    `send` it was given in the scope, where an `EventStream` writes its body past the stack
+    (service/http/event_stream.py)."""
 
-    def __init__(self, app: ASGIApp, record: Callable[[str, int], None]) -> None:
+    def __init__(self, app: ASGIApp, record: Callable[[str, int], None] | None) -> None:
         self.app = app
         self._record = record
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[RAW_SEND] = send
+        if self._record is None:
             await self.app(scope, receive, send)
             return
 
@@ -210,8 +217,7 @@ def _response(task: asyncio.Future, error_shape: Callable[[APIError], JSONRespon
         return error_shape(APIError("Internal server error.", 500, "server_error"))
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(result)
 
 
 class HeldResponse(Response):
@@ -255,7 +261,7 @@ class HeldResponse(Response):
 
     def _body(self) -> bytes:
         response = _response(self._task, self._error_shape)
-        if isinstance(response, StreamingResponse):  # never for a non-streamed request
+        if isinstance(response, EventStream):  # never for a non-streamed request
             logger.error("a held response's work returned a stream")
             response = self._error_shape(APIError("Internal server error.", 500, "server_error"))
         if response.status_code != 200:
@@ -374,6 +380,5 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes)  # first of the limits
-    if on_response is not None:
-        app.add_middleware(ResponseCounter, record=on_response)  # outermost: sees every answer
+    app.add_middleware(ResponseCounter, record=on_response)  # outermost: sees every answer
     return app

@@ -274,7 +274,7 @@ class OpenAIServing:
         def event(chunk: dict[str, Any], c: ChoiceState) -> str:
             if continuous_usage:
                 chunk["usage"] = usage(prompt_lens[c.prompt_index], c.num_output_tokens, c.num_cached_tokens)
-            return sse(chunk)
+            return fmt.lines.line(chunk)
 
         # echo + logprobs: the echoed prompt goes out with its logprobs, which come with the first token.
         echo_logprobs = isinstance(fmt, CompletionFormat) and fmt.echo_prompts is not None
@@ -285,13 +285,14 @@ class OpenAIServing:
                 elif prefixes[c.index] and not echo_logprobs:
                     yield event(fmt.chunk(c.index, prefixes[c.index], [], None), c)
             async for batch in run.batches():
+                lines = []  # the batch's events, written as one piece
                 for index, outs in _group(batch, index_of).items():
                     c = choices[index]
                     prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
                     if echo_logprobs and prompt_lps is not None:
-                        yield event(fmt.echo_chunk(index, c.prompt_index, prefixes[index], prompt_lps), c)
-                    for chunk in self._delta_chunks(fmt, c, outs, len(prefixes[index])):
-                        yield event(chunk, c)
+                        lines.append(event(fmt.echo_chunk(index, c.prompt_index, prefixes[index], prompt_lps), c))
+                    lines.extend(event(chunk, c) for chunk in self._delta_chunks(fmt, c, outs, len(prefixes[index])))
+                yield "".join(lines)
             if include_usage:
                 completion_tokens = sum(c.num_output_tokens for c in choices)
                 totals = usage(sum(prompt_lens), completion_tokens, cached_tokens(choices))
