@@ -65,8 +65,10 @@ def render_marker(kind: str, args: list[str], results_dir: Path = RESULTS) -> st
         return metrics_table()
     if kind == "bench" and len(args) == 1:
         return bench_table(args[0], results_dir)
+    if kind == "bench" and len(args) == 2:
+        return bench_extra_table(args[0], args[1], results_dir)
     raise ValueError(f"unknown docs marker 'generated: {' '.join([kind, *args])}'; known: arguments [NAME ...], "
-                     "speculative_config, metrics, bench NAME")
+                     "speculative_config, metrics, bench NAME [TABLE]")
 
 
 # ---- arguments ------------------------------------------------------------------------------
@@ -172,8 +174,7 @@ def results_module() -> ModuleType:
     return sys.modules["qkv_bench_results"]
 
 
-def bench_table(name: str, results_dir: Path = RESULTS) -> str:
-    """The table of `results_dir`/NAME.json and where its numbers came from."""
+def read_result(name: str, results_dir: Path = RESULTS) -> dict[str, Any]:
     path = results_dir / f"{name}.json"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in results_dir.glob("*.json"))) or "none"
@@ -182,6 +183,23 @@ def bench_table(name: str, results_dir: Path = RESULTS) -> str:
     problems = results_module().problems(doc)
     if problems:
         raise ValueError(f"{path}: {'; '.join(problems)}")
+    return doc
+
+
+def bench_extra_table(name: str, part: str, results_dir: Path = RESULTS) -> str:
+    """One of the more tables of `results_dir`/NAME.json (`tables.PART`), from the run the main table's
+    provenance describes."""
+    doc = read_result(name, results_dir)
+    extra = doc.get("tables", {}).get(part)
+    if extra is None:
+        raise ValueError(f"docs marker 'generated: bench {name} {part}': {name}.json has no table {part!r}; "
+                         f"it has {', '.join(doc.get('tables', {})) or 'none'}")
+    return table(extra["columns"], [[format_cell(v) for v in row] for row in extra["rows"]])
+
+
+def bench_table(name: str, results_dir: Path = RESULTS) -> str:
+    """The table of `results_dir`/NAME.json and where its numbers came from."""
+    doc = read_result(name, results_dir)
     rows = [[format_cell(v) for v in row] for row in doc["table"]["rows"]]
     return "\n\n".join(part for part in (doc.get("title") and f"**{doc['title']}**",
                                          table(doc["table"]["columns"], rows), provenance(doc)) if part)

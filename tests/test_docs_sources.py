@@ -369,6 +369,10 @@ def test_the_result_check_names_what_is_missing() -> None:
         "machine lacks 'gpu'"]
     assert results.problems({**doc, "table": {"columns": ["a", "b"], "rows": [[1]]}}) == [
         "table row 0 has 1 cells for 2 columns"]
+    assert results.problems({**doc, "tables": {"cpu": {"columns": ["a"], "rows": [[1, 2]]}}}) == [
+        "tables.cpu row 0 has 2 cells for 1 columns"]
+    assert results.problems({**doc, "tables": {"cpu": {"columns": [], "rows": []}}}) == [
+        "tables.cpu.columns must be a non-empty list"]
 
 
 # ---- the generated parts --------------------------------------------------------------------
@@ -386,16 +390,19 @@ def test_markers_render_tables_from_their_sources(tmp_path: Path) -> None:
     doc = {"benchmark": "demo", "command": "python loadtests/benchmarks/demo.py --out x.json", "date": "2026-12-03",
            "commit": "abc1234", "machine": {"cpu_model": "Some CPU", "cores": 2, "copy_bandwidth_gb_s": 10.0,
                                             "matmul_peak_gflops": 100.0, "gpu": None},
-           "table": {"columns": ["case", "tok/s"], "rows": [["a | b", 12.5]]}, "note": "noisy"}
+           "table": {"columns": ["case", "tok/s"], "rows": [["a | b", 12.5]]}, "note": "noisy",
+           "tables": {"cpu": {"columns": ["part", "ms"], "rows": [["edge", 0.125]]}}}
     (tmp_path / "demo.json").write_text(json.dumps(doc))
-    page = "# T\n\n<!-- generated: arguments -->\ntext\n<!-- generated: metrics -->\n<!-- generated: bench demo -->\n"
+    page = ("# T\n\n<!-- generated: arguments -->\ntext\n<!-- generated: metrics -->\n<!-- generated: bench demo -->\n"
+            "<!-- generated: bench demo cpu -->\n")
     out = generate.render_page(page, tmp_path)
+    assert "| part | ms |\n|---|---|\n| edge | 0.125 |" in out
     assert "| `max_num_seqs` | `int, ≥ 1` | `64` | serve, LLM, EngineConfig |" in out
     assert "| `kv_cache_fraction` |" in out and "| LLM, EngineConfig |" in out
     assert all(f"`ray_{m.name}`" in out for m in METRICS)
     assert "| a \\| b | 12.5 |" in out and "Note: noisy" in out and "`abc1234`" in out
     assert "\ntext\n" in out
     for bad in ("<!-- generated: bench nothing -->", "<!-- generated: arguments max_num_seq -->",
-                "<!-- generated: nonsense -->"):
+                "<!-- generated: nonsense -->", "<!-- generated: bench demo gpu -->"):
         with pytest.raises(ValueError):
             generate.render_page(bad, tmp_path)

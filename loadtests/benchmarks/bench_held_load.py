@@ -199,7 +199,10 @@ def held_streams(url: str, n: int, max_tokens: int, stats: Callable[[], dict[str
 async def _soak(url: str, seconds: float, clients: int, max_tokens: int, disconnect: float,
                 seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    # No cap on the pool: httpcore can lose a pool slot to a request cancelled while it waits for a
+    # connection, and a 10-minute soak of random cancellations then ran out of slots (PoolTimeout
+    # on the client's side); each worker has one request in flight at a time anyway.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=clients)
     results: list[dict[str, Any]] = []
     deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120, connect=30), limits=limits) as client:

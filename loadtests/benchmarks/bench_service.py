@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,6 @@ def _serving_env(argv: list[str]) -> dict[str, str]:
 
 SERVE_ENV = _serving_env(sys.argv)
 
-import httpx  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -147,25 +147,72 @@ class BareEngine:
         return run_engine(self.engine, prompts, max_tokens, concurrency)
 
 
-async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, model: str | None = None) -> dict[str, Any]:
+class _Connection:
+    """One client's keep-alive HTTP/1.1 connection, reading a streamed response's chunks as they
+    come: a small client, so that the clients, which share the machine's cores with the service
+    (not with the bare engine), take as little of them as they can (httpx's line reader took
+    about as much CPU per token as the whole serving path)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[str]:
+        """POST `body`; the SSE `data:` payloads of the answer as they arrive."""
+        raw = json.dumps(body).encode()
+        request = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw
+        for attempt in (1, 2):  # a kept-alive connection the server closed meanwhile: once more on a new one
+            if self._writer is None:
+                self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+            self._writer.write(request)
+            reader = self._reader
+            status = (await reader.readline()).split(b" ", 2)
+            if len(status) > 1 or attempt == 2:
+                break
+            await self.close()
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if status[1] != b"200":
+            raise RuntimeError(f"HTTP {status[1].decode()}: {await reader.read(300)!r}")
+        if headers.get("transfer-encoding") != "chunked":
+            raise RuntimeError(f"expected a chunked stream, got headers {headers}")
+        pending = b""
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                return
+            pending += data[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: "):
+                    yield event[6:].decode()
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._reader = self._writer = None
+
+
+async def _one(conn: _Connection, prompt: list[int], max_tokens: int, model: str | None = None) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
     sent = time.perf_counter()
     chunk_times, usage = [], None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            # Parsed only where needed (an error, the usage chunk), so that the clients, which share
-            # the machine with the service, take as little of it as they can.
-            if line.startswith('data: {"error"'):
-                raise RuntimeError(f"stream error: {line[6:300]}")
-            if '"choices": []' not in line:
-                chunk_times.append(time.perf_counter())
-                continue
-            usage = json.loads(line[6:]).get("usage") or usage
+    async for data in conn.stream("/v1/completions", body):
+        # Parsed only where needed (an error, the usage chunk): see `_Connection`.
+        if data == "[DONE]":
+            continue
+        if data.startswith('{"error"'):
+            raise RuntimeError(f"stream error: {data[:300]}")
+        if '"choices": []' not in data:
+            chunk_times.append(time.perf_counter())
+            continue
+        usage = json.loads(data).get("usage") or usage
     return {"sent": sent, "chunks": chunk_times, "tokens": usage["completion_tokens"]}
 
 
@@ -175,15 +222,20 @@ async def _clients(url: str, prompts: list[list[int]], max_tokens: list[int], co
     for i in range(len(prompts)):
         queue.put_nowait(i)
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        async def worker() -> None:
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+
+    async def worker(conn: _Connection) -> None:
+        try:
             while not queue.empty():
                 i = queue.get_nowait()
-                results.append(await _one(client, prompts[i], max_tokens[i], model))
+                results.append(await _one(conn, prompts[i], max_tokens[i], model))
+        finally:
+            await conn.close()
 
-        await _one(client, prompts[0][:8], 4, model)  # warm-up
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    warm = _Connection(host, int(port))
+    await _one(warm, prompts[0][:8], 4, model)  # warm-up
+    await warm.close()
+    await asyncio.gather(*(worker(_Connection(host, int(port))) for _ in range(concurrency)))
     return results
 
 
@@ -294,23 +346,25 @@ def table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return columns, rows
 
 
+def cpu_table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """CPU per generated token by process in the service runs (the median rounds), the bare
+    engine's whole process beside them: ms/token (share of one core)."""
+    names = sorted({n for row in res["table"] for n in row["service"]["cpu"]},
+                   key=lambda n: (n in ("serving path", "engine step", "Ray's own", "benchmark clients"), n))
+    columns = ["model", "clients", *names, "bare engine's process"]
+    cell = lambda c: f"{c['ms_per_token']:.3f} ({c['core_share']:.0%})"  # noqa: E731
+    rows = [[row["model"], str(row["concurrency"]), *(cell(row["service"]["cpu"][n]) if n in row["service"]["cpu"]
+                                                       else "" for n in names), cell(row["engine"]["cpu"])]
+            for row in res["table"]]
+    return columns, rows
+
+
 def report(res: dict[str, Any]) -> None:
     print(f"\n{res['threads']} torch threads; the median of {res['num_rounds']} round(s); Serve settings: "
           + ", ".join(f"{k}={v}" for k, v in sorted(res["serve_env"].items())))
     print_table(*table(res))
     print("\nCPU per generated token by process (ms/token, share of one core), service runs:")
-    names = sorted({n for row in res["table"] for n in row["service"]["cpu"]},
-                   key=lambda n: (n in ("serving path", "engine step", "Ray's own", "benchmark clients"), n))
-    print("| model | clients | " + " | ".join(names) + " |")
-    print("|---|---|" + "---|" * len(names))
-    for row in res["table"]:
-        cpu = row["service"]["cpu"]
-        cells = [f"{cpu[n]['ms_per_token']:.3f} ({cpu[n]['core_share']:.0%})" if n in cpu else "" for n in names]
-        print(f"| {row['model']} | {row['concurrency']} | " + " | ".join(cells) + " |")
-    print("\nThe bare engine's process over its run (ms/token, share of one core):")
-    for row in res["table"]:
-        cpu = row["engine"]["cpu"]
-        print(f"| {row['model']} | {row['concurrency']} | {cpu['ms_per_token']:.3f} ({cpu['core_share']:.0%}) |")
+    print_table(*cpu_table(res))
 
 
 def bench_model(name: str, args: argparse.Namespace, res: dict[str, Any]) -> None:
@@ -379,7 +433,7 @@ def main() -> None:
     print(f"load average: {res['load_average_start'][0]:.2f} at the start, {res['load_average_end'][0]:.2f} at the end")
     if args.out:
         columns, rows = table(res)
-        write_result(args.out, "bench_service", columns, rows, raw=res, note=args.note,
+        write_result(args.out, "bench_service", columns, rows, raw=res, note=args.note, tables={"cpu": cpu_table(res)},
                      title=f"The service against the bare engine, the median of {args.rounds} round(s)")
 
 

@@ -49,19 +49,26 @@ def problems(doc: Any) -> list[str]:
         out += [f"machine lacks {k!r}" for k in MACHINE_KEYS if k not in machine]
     elif "machine" in doc:
         out.append("machine is not an object")
-    tbl = doc.get("table")
-    if isinstance(tbl, dict):
-        columns, rows = tbl.get("columns"), tbl.get("rows")
-        if not isinstance(columns, list) or not columns:
-            out.append("table.columns must be a non-empty list")
-        elif not isinstance(rows, list) or not rows:
-            out.append("table.rows must be a non-empty list")
-        else:
-            out += [f"table row {i} has {len(r)} cells for {len(columns)} columns"
-                    for i, r in enumerate(rows) if not isinstance(r, list) or len(r) != len(columns)]
-    elif "table" in doc:
-        out.append("table is not an object")
+    out += _table_problems("table", doc.get("table"), "table" in doc)
+    tables = doc.get("tables", {})
+    if not isinstance(tables, dict):
+        out.append("tables is not an object")
+    else:
+        for name, extra in tables.items():
+            out += _table_problems(f"tables.{name}", extra, True)
     return out
+
+
+def _table_problems(where: str, tbl: Any, present: bool) -> list[str]:
+    if not isinstance(tbl, dict):
+        return [f"{where} is not an object"] if present else []
+    columns, rows = tbl.get("columns"), tbl.get("rows")
+    if not isinstance(columns, list) or not columns:
+        return [f"{where}.columns must be a non-empty list"]
+    if not isinstance(rows, list) or not rows:
+        return [f"{where}.rows must be a non-empty list"]
+    return [f"{where} row {i} has {len(r)} cells for {len(columns)} columns"
+            for i, r in enumerate(rows) if not isinstance(r, list) or len(r) != len(columns)]
 
 
 _commit_at_start: str | None = None  # the code that ran, read before other work changes the tree
@@ -86,15 +93,19 @@ def print_table(columns: list[str], rows: list[list[Any]]) -> None:
 
 def write_result(out: str | Path, benchmark: str, columns: list[str], rows: list[list[Any]],
                  raw: Any = None, note: str | None = None, title: str | None = None,
-                 device: str = "cpu") -> dict[str, Any]:
+                 device: str = "cpu", tables: dict[str, tuple[list[str], list[list[Any]]]] | None = None
+                 ) -> dict[str, Any]:
     """Write the result file `out` (the command line, date, commit and `machine_facts(device)` added)
-    and return it. The machine is measured after the benchmark, so it does not disturb it."""
+    and return it. The machine is measured after the benchmark, so it does not disturb it.
+    `tables`: more tables of the same run, by name (the docs render one with `bench NAME TABLE`)."""
     doc: dict[str, Any] = {"benchmark": benchmark}
     if title:
         doc["title"] = title
     doc |= {"command": command_line(), "date": datetime.date.today().isoformat(),
             "commit": _commit_at_start or git_commit(),
             "machine": machine_facts(device), "table": {"columns": list(columns), "rows": [list(r) for r in rows]}}
+    if tables:
+        doc["tables"] = {name: {"columns": list(c), "rows": [list(r) for r in rs]} for name, (c, rs) in tables.items()}
     if note:
         doc["note"] = note
     if raw is not None:
