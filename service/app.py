@@ -86,7 +86,7 @@ class AppArgs(BaseModel):
     quantization: Literal["none", "int8", "int4"] = engine_arg("quantization")
     quantization_group_size: Literal[32, 64, 128] = engine_arg("quantization_group_size")
     quantization_activations: Literal["auto", "float32", "int8"] = engine_arg("quantization_activations")
-    quantize_lm_head: bool = engine_arg("quantize_lm_head")
+    quantize_lm_head: bool | Literal["auto", "int8"] = engine_arg("quantize_lm_head")
     speculative_config: dict[str, Any] | None = engine_arg("speculative_config")
     lora_modules: dict[str, str] | None = engine_arg("lora_modules")
     lora_dynamic_path: str | None = engine_arg("lora_dynamic_path")

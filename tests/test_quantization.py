@@ -261,6 +261,43 @@ def test_the_lm_head_is_quantized_when_asked(family, llama_dir, qwen2_dir) -> No
     assert not any(isinstance(m, QuantizedLinear) and "." not in n for n, m in plain.named_modules())
 
 
+def test_the_lm_head_scheme_follows_quantize_lm_head() -> None:
+    """auto: int8 on the CPU whatever the layers hold, full precision elsewhere and for float
+    models; True: as the layers; "int8" needs quantized layers (EngineConfig says so)."""
+    from model.loading.quantize import head_scheme
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    int4, int8 = on_the_fly_scheme("int4", 64), on_the_fly_scheme("int8", 128)
+    assert head_scheme("auto", int4, cpu) == int8 and head_scheme("auto", int8, cpu) == int8
+    assert head_scheme("auto", int4, cuda) is None and head_scheme("auto", None, cpu) is None
+    assert head_scheme(True, int4, cuda) == int4 and head_scheme("int8", int4, cuda) == int8
+    assert head_scheme(False, int4, cpu) is None
+    assert EngineConfig().quantize_lm_head == "auto"
+    for bad in (1, "int4", None):
+        with pytest.raises(ValueError, match="quantize_lm_head must be true, false, auto or int8"):
+            EngineConfig(quantization="int4", quantize_lm_head=bad)
+    with pytest.raises(ValueError, match="quantize_lm_head=int8 applies with quantization int8 or int4"):
+        EngineConfig(quantize_lm_head="int8")
+
+
+@pytest.mark.parametrize("setting,bits", [("auto", 8), (True, 4), (False, None)])
+def test_the_engine_quantizes_the_head_as_configured(setting, bits, llama_dir) -> None:
+    """int4 layers on the CPU: the head in int8 by default (auto), in int4 with true, float with
+    false; its logits stay within the int8 head's error of the float head's."""
+    def engine(head: object) -> Engine:
+        return Engine(str(llama_dir), EngineConfig(quantization="int4", quantization_group_size=32, num_kv_blocks=16,
+                                                   quantize_lm_head=head), device="cpu")
+
+    net = engine(setting).runner.model
+    head = getattr(net, "quantized_head", None)
+    assert (head.bits if head is not None else None) == bits
+    assert (net.lm_head is None) == (bits is not None)
+    if setting == "auto":
+        tokens = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(4))
+        float_head = engine(False).runner.model
+        assert rel_err(full_logits(net, tokens), full_logits(float_head, tokens)) < 0.02
+
+
 # ---- the engine: alone, in a batch of 16, under preemption ----------------------------------
 
 def _greedy() -> SamplingParams:
@@ -497,5 +534,6 @@ def test_service_serves_int8_and_says_so(llama_dir) -> None:
     card = models["data"][0]
     assert card["quantization"] == "int8"
     assert card["quantization_config"] == {"method": "int8", "bits": 8, "group_size": -1,
-                                           "activations": "int8" if int8_path() > 0 else "float32"}  # auto
+                                           "activations": "int8" if int8_path() > 0 else "float32",  # auto
+                                           "lm_head": {"method": "int8", "bits": 8, "group_size": -1}}  # auto
     assert done["choices"][0]["text"] == engine.tokenizer.decode(expected)

@@ -87,7 +87,8 @@ SHAPE_RUNS: dict[str, tuple[str, tuple[Workload, ...]]] = {
 # (int4+head: the LM head quantized too, as llama.cpp's files have it; the engine's default keeps it
 # float: loadtests/benchmarks/quant_accuracy.py measured +5% bits per byte for the head at group 128)
 PAIRS = (("float32", ("f32",)), ("int8", ("Q8_0",)), ("int4", ("Q4_0", "Q4_K_M")), ("int4+head", ("Q4_0",)),
-         ("int8+a8", ("Q8_0",)), ("int4+a8", ("Q4_0",)), ("int4+head+a8", ("Q4_0",)))  # a8: int8 activations
+         ("int8+a8", ("Q8_0",)), ("int4+a8", ("Q4_0",)), ("int4+head+a8", ("Q4_0",)),  # a8: int8 activations
+         ("int8+head8+a8", ("Q8_0",)), ("int4+head8+a8", ("Q4_0",)))  # head8: the int8 LM head (the CPU default)
 # issue 42's targets, as (our scheme, row) -> the least ratio against llama.cpp's pair
 TARGETS = {("float32", "decode b1"): 1.0, ("float32", "gen b16"): 1.5, ("float32", "gen b64"): 1.5,
            ("float32", "prefill 16x512"): 1.0, ("int8", "decode b1"): 1.0, ("int8", "gen b16"): 1.5,
@@ -255,14 +256,15 @@ def engine_batched_bench(llm: LLM, npp: int, ntg: int, npl: int, seed: int = 0) 
 
 
 def engine_config(scheme: str, workloads: tuple[Workload, ...], group: int) -> EngineConfig:
-    """`scheme`: float32, int8 or int4, `+head` to quantize the LM head as well, `+a8` for
-    quantization_activations=int8 (llama.cpp's way: activations rounded to int8 blocks)."""
+    """`scheme`: float32, int8 or int4, `+head` to quantize the LM head as the layers, `+head8` in
+    int8 (else it stays float32), `+a8` for quantization_activations=int8 (llama.cpp's way:
+    activations rounded to int8 blocks)."""
     most = max(max(w.npl) for w in workloads)
     tokens = max(max(w.npl) * (w.npp + w.ntg + 1) for w in workloads)
     method, *flags = scheme.split("+")
     return EngineConfig(max_num_seqs=most, num_kv_blocks=tokens // 16 + most + 8, enable_prefix_caching=False,
                         quantization="none" if method == "float32" else method, quantization_group_size=group,
-                        quantize_lm_head="head" in flags,
+                        quantize_lm_head="int8" if "head8" in flags else "head" in flags,
                         quantization_activations="int8" if "a8" in flags else "float32")
 
 

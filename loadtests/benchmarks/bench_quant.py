@@ -2,8 +2,9 @@
 
 For each shape (GPT-2-small, the preset with random weights; Qwen2.5-0.5B, a random checkpoint
 in bf16 written by loadtests/tools/random_checkpoint.py) and each scheme (`none`, `int8`, `int4` at
-`--group`, and both again with `quantize_lm_head`, which on the tied Qwen2.5 shape also makes
-the embedding table the quantized head's):
+`--group`, each with the LM head in float32 (`quantize_lm_head: false`), in int8 (`int8`, what
+`auto` picks on the CPU) and as the layers (`true`); a quantized head of the tied Qwen2.5 shape
+also makes the embedding table the quantized head's):
 
 - batch-1 and batch-16 decode tokens/s (steady state, 128-token prompts; bench_engine's decode_rate);
 - batch-1 prefill tokens/s (one `--prefill`-token prompt, time to its first token);
@@ -44,13 +45,16 @@ SHAPES.setdefault(QUICK_SHAPE, {**SHAPES["qwen2.5-0.5b-shape"], "hidden_size": 1
                                 "vocab_size": 1024, "max_position_embeddings": 2048, "max_window_layers": 2,
                                 "bos_token_id": 1, "eos_token_id": 2})
 
+HEAD = {False: "float32", "int8": "int8", True: "as the layers"}  # quantize_lm_head -> the table's word
+
 _PEAK = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from model.loading.loading import load_weights
-from model.loading.quantize import on_the_fly_scheme
+from model.loading.quantize import head_scheme, on_the_fly_scheme
 scheme = on_the_fly_scheme({method!r}, {group})
-load_weights({path!r}, torch.float32, torch.device("cpu"), quantize=scheme, quantize_lm_head={head})
+load_weights({path!r}, torch.float32, torch.device("cpu"), quantize=scheme,
+             quantize_lm_head=head_scheme({head!r}, scheme, torch.device("cpu")) or False)
 # VmHWM, not ru_maxrss: Linux carries the parent's high-water mark across fork + exec into
 # ru_maxrss, so a child of this (model-holding) benchmark would report the parent's size
 print(next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM")))
@@ -66,7 +70,7 @@ def prefill_rate(llm: LLM, length: int, vocab: int) -> float:
     return length / (time.perf_counter() - t0)
 
 
-def load_peak_rss(path: str, method: str, group: int, head: bool) -> int:
+def load_peak_rss(path: str, method: str, group: int, head: bool | str) -> int:
     code = _PEAK.format(root=str(Path(__file__).resolve().parents[2]), method=method, group=group, path=path,
                         head=head)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -75,7 +79,7 @@ def load_peak_rss(path: str, method: str, group: int, head: bool) -> int:
 
 def run_shape(shape: str, source: str, args: argparse.Namespace) -> list[dict]:
     rows = []
-    schemes = [("none", False), ("int8", False), ("int4", False), ("int8", True), ("int4", True)]
+    schemes = [("none", False), *((m, h) for h in (False, "int8", True) for m in ("int8", "int4"))]
     for method, head in schemes:
         if method == "none" and head:
             continue
@@ -94,7 +98,7 @@ def run_shape(shape: str, source: str, args: argparse.Namespace) -> list[dict]:
         if shape not in PRESETS and not args.no_peak:
             row["load_peak_rss_bytes"] = load_peak_rss(source, method, args.group, head)
         rows.append(row)
-        print(f"  {shape} {row['scheme']}{' +head' if head else ''}: {row['decode_b1_tok_s']:.1f} tok/s b1", flush=True)
+        print(f"  {shape} {row['scheme']} head {HEAD[head]}: {row['decode_b1_tok_s']:.1f} tok/s b1", flush=True)
         del llm, net
     base = rows[0]
     for r in rows:
@@ -106,7 +110,7 @@ def run_shape(shape: str, source: str, args: argparse.Namespace) -> list[dict]:
 def table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     columns = ["shape", "scheme", "LM head", "decode b1 tok/s", "x", "decode b16 tok/s", "x", "prefill b1 tok/s", "x",
                "weights MiB", "x", "load peak MiB"]
-    return columns, [[r["shape"], r["scheme"], "quantized" if r["quantize_lm_head"] else "-",
+    return columns, [[r["shape"], r["scheme"], HEAD[r["quantize_lm_head"]],
                       f"{r['decode_b1_tok_s']:.1f}", f"{r['decode_b1_tok_s_vs_none']:.2f}",
                       f"{r['decode_b16_tok_s']:.1f}", f"{r['decode_b16_tok_s_vs_none']:.2f}",
                       f"{r['prefill_b1_tok_s']:.1f}", f"{r['prefill_b1_tok_s_vs_none']:.2f}",

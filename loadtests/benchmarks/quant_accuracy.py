@@ -8,8 +8,9 @@ On the trained default (`transformer-base-trained`, fp16 on disk, run in float32
   tokens generated before the first divergence;
 - bits per byte on the held-out text: the corpus's last 64 KiB in windows of 256 bytes, as
   tests/test_trained_default.py measures it (0.978 in float32);
-- each quantized scheme twice: the LM head in float (the default) and quantized too
-  (`quantize_lm_head`, what llama.cpp does with its output tensor), the cost of the head alone;
+- each quantized scheme three times: the LM head in float, in int8 (`quantize_lm_head: int8`,
+  what `auto` picks on the CPU) and quantized as the layers (`true`); llama.cpp quantizes its
+  output tensor too (Q6_K in its 4-bit files): the cost of the head alone;
 - and each of those again with `quantization_activations=int8` (`/a8`: activations rounded to
   int8 in blocks of 32, as llama.cpp's Q8_0 does), the cost of the integer products.
 
@@ -90,7 +91,7 @@ def main() -> None:
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     schemes = [("none", 128, False, "float32"),
                *[(m, g, head, acts) for acts in args.activations for m, g in [("int8", 128), *[("int4", g) for g in args.groups]]
-                 for head in (False, True)]]
+                 for head in (False, "int8", True) if not (m == "int8" and head is True)]]  # int8: "int8" is True
     rows, ref = [], None
     for method, group, head, acts in schemes:
         t0 = time.perf_counter()
@@ -103,7 +104,7 @@ def main() -> None:
         ref = outs if ref is None else ref
         same, prefix = agreement(ref, outs)
         bpb = bits_per_byte(llm, data)
-        name = (method if method != "int4" else f"int4-g{group}") + ("+head" if head else "") + \
+        name = (method if method != "int4" else f"int4-g{group}") + {False: "", "int8": "+head8", True: "+head"}[head] + \
             ("/a8" if acts == "int8" else "")
         rows.append({"scheme": name, "quantize_lm_head": head, "activations": acts, "greedy_agreement": same, "greedy_prefix_agreement": prefix,
                      "bits_per_byte": bpb, "seconds": time.perf_counter() - t0})

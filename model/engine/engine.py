@@ -26,7 +26,7 @@ from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.loading.lora import LoraManager
 from model.loading.pooling_config import read_pooling_config
-from model.loading.quantize import on_the_fly_scheme, quantization_of, set_int8_activations
+from model.loading.quantize import QuantScheme, head_scheme, on_the_fly_scheme, quantization_of, set_int8_activations
 from model.loading.tokenizer import IncrementalDetokenizer
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
@@ -88,16 +88,18 @@ class Engine:
         torch.manual_seed(seed)
         self.model_name = model
         ec = self.config
+        self.head_scheme: QuantScheme | None = None  # the LM head's quantization (model/loading/quantize.head_scheme)
         if ec.tensor_parallel_size > 1:  # the weights live in the workers (model/engine/parallel/)
             from model.engine.parallel.driver import model_metadata  # noqa: PLC0415 (imports Ray)
 
             self.model_config, self.tokenizer, self.generation_config = model_metadata(source)
             net = None
         else:
+            layers = on_the_fly_scheme(ec.quantization, ec.quantization_group_size)
+            head = head_scheme(ec.quantize_lm_head, layers, self.device)
             self.model_config, net, self.tokenizer, self.generation_config = load_weights(
-                source, self.dtype, self.device,
-                quantize=on_the_fly_scheme(ec.quantization, ec.quantization_group_size),
-                quantize_lm_head=ec.quantize_lm_head)
+                source, self.dtype, self.device, quantize=layers, quantize_lm_head=head or False)
+            self.head_scheme = head
         self.quant_scheme = quantization_of(net)  # on the fly, or the checkpoint's own (GPTQ, AWQ)
         self.int8_activations = net is not None and self._int8_activations(net)
         cfg = self.model_config
@@ -156,7 +158,8 @@ class Engine:
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s%s", model,
                     self.runtime.device, self.runtime.dtype, num_blocks, self.config.block_size,
                     str(self.kv_cache_dtype).removeprefix("torch."),
-                    self.quant_scheme.describe() if self.quant_scheme else "none",
+                    (self.quant_scheme.describe() | {"lm_head": self.head_scheme.method if self.head_scheme else None})
+                    if self.quant_scheme else "none",
                     " with int8 activations" if self.int8_activations else "")
 
     def _int8_activations(self, net: torch.nn.Module) -> bool:

@@ -141,7 +141,8 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               quantize: QuantScheme | None = None, quantize_lm_head: bool = False) -> tuple[ModelConfig, nn.Module]:
+               quantize: QuantScheme | None = None,
+               quantize_lm_head: bool | QuantScheme = False) -> tuple[ModelConfig, nn.Module]:
     """Load a checkpoint directory into its model (eval mode) on `device` in `dtype`.
 
     Raises `CheckpointError` naming what is missing, unexpected or of the wrong shape.
@@ -166,8 +167,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     _copy_weights(model, names, index, directory)
     if spec.verify is not None:
         spec.verify(model, index, str(directory))
-    if quantize_lm_head:
-        quantize_head(model, scheme)
+    if quantize_lm_head:  # True: as the layers; a scheme: the head's own (int8 beside int4 layers)
+        quantize_head(model, scheme if quantize_lm_head is True else quantize_lm_head)
     logger.info("loaded %s (%s, %d tensors from %d file(s)) as %s on %s",
                 directory, cfg.arch, len(names), len(files), dtype, device)
     return cfg, model

@@ -109,18 +109,19 @@ def resolve_model(model: str, revision: str | None = None) -> str:
 
 
 def load_weights(model: str, dtype: torch.dtype, device: torch.device, revision: str | None = None,
-                 quantize: QuantScheme | None = None, quantize_lm_head: bool = False,
+                 quantize: QuantScheme | None = None, quantize_lm_head: bool | QuantScheme = False,
                  ) -> tuple[ModelConfig, nn.Module, Tokenizer, GenerationConfig]:
     """A preset name, a checkpoint directory or an HF hub id (see `resolve_model`) -> config,
-    model in eval mode, tokenizer, generation config. `quantize`: quantize the linear layers
-    (and with `quantize_lm_head` the LM head) as they load; a GPTQ/AWQ checkpoint loads as it is."""
+    model in eval mode, tokenizer, generation config. `quantize`: quantize the linear layers as
+    they load (and the LM head with `quantize_lm_head`: True with their scheme, or a scheme of its
+    own); a GPTQ/AWQ checkpoint loads as it is."""
     model = resolve_model(model, revision)
     if model in PRESETS:
         net = build_preset(model).to(device=device, dtype=dtype)
         if quantize is not None:  # random weights: built in full, then quantized layer by layer
             swap_linears(net, quantize)
             if quantize_lm_head:
-                quantize_head(net, quantize)
+                quantize_head(net, quantize if quantize_lm_head is True else quantize_lm_head)
         cfg = net.cfg
         tokenizer = load_tokenizer(None, cfg.vocab_size)
         generation = GenerationConfig()

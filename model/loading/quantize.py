@@ -8,8 +8,9 @@ their weights reach them.
 - From a checkpoint (config.json `quantization_config`): GPTQ (`model.loading.gptq`) and AWQ
   (`model.loading.awq`) tensors are read and repacked into the same layers.
 
-The LM head is quantized only with `quantize_lm_head`; embeddings are never (a lookup reads a
-few rows, not the matrix).
+The LM head is quantized only with `quantize_lm_head` (with the layers' scheme, or int8:
+`head_scheme`); embeddings are never (a lookup reads a few rows, not the matrix), except a tied
+head's, which looks rows up in the quantized head.
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def on_the_fly_scheme(quantization: str, group_size: int) -> QuantScheme | None:
     if quantization == "int4":
         return QuantScheme("int4", 4, group_size)
     raise ValueError(f"quantization must be none, int8 or int4; got {quantization!r}")
+
+
+def head_scheme(quantize_lm_head: bool | str, layers: QuantScheme | None, device: torch.device) -> QuantScheme | None:
+    """The scheme the LM head is quantized with (None: full precision), from `quantize_lm_head`
+    (EngineConfig's) and the layers' on-the-fly scheme: True the layers', "int8" int8 with one
+    scale per row, "auto" int8 on the CPU, full precision elsewhere."""
+    if layers is None or quantize_lm_head is False:
+        return None
+    if quantize_lm_head == "auto":
+        quantize_lm_head = "int8" if device.type == "cpu" else False
+    if quantize_lm_head == "int8":
+        return on_the_fly_scheme("int8", layers.group_size)
+    return layers if quantize_lm_head is True else None
 
 
 def checkpoint_scheme(raw: dict[str, Any], where: str) -> QuantScheme | None:

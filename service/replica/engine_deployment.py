@@ -189,7 +189,8 @@ class EngineHost:
             generation_config=self.engine.generation_config,
             attention=self.engine.attention_shape,
             quantization={**scheme.describe(),
-                          "activations": "int8" if getattr(self.engine, "int8_activations", False) else "float32"}
+                          "activations": "int8" if getattr(self.engine, "int8_activations", False) else "float32",
+                          "lm_head": head.describe() if (head := getattr(self.engine, "head_scheme", None)) else None}
             if scheme else None,
             **_lora_info(getattr(self.engine, "lora", None)),
         )
