@@ -384,9 +384,11 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
             assert status == 200 and "[DONE]" not in events, events[-3:]
             assert not any(isinstance(e, dict) and any(c.get("finish_reason") for c in e.get("choices", []))
                            for e in events), "a request that was cut off reported a finish"
+    # ray.kill returns before the actor is gone: the victim may still answer /health for a moment,
+    # so wait for its replacement first, then for the service.
+    wait_until(lambda: (after := _engine_replicas()) and victim not in after, RECOVERY_S,
+               "Serve to replace the killed replica")
     wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
-    replacements = _engine_replicas()
-    assert replacements and victim not in replacements
     _serves(http)
     wait_until(_idle, 30, "the new replica to be idle")
 
