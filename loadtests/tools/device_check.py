@@ -38,6 +38,7 @@ check, e.g. without `transformers` or past the time budget, is a failure, not a 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import importlib.util
 import json
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from loadtests.tools import results  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
 from model.engine.scheduler import ScheduledSeq  # noqa: E402
@@ -104,7 +106,7 @@ FULL = Sizes("cuda", torch.bfloat16, 16, LLAMA_8B, (1, 64, 256), 2048, 32, 2048)
 # The dry run walks the same code with less of everything, in float32 (bf16 matmuls are slow on
 # CPUs without bf16 units; the backend check keeps its 16-bit caches), since FlexAttention's CPU
 # reference is traced afresh per shape, seconds each on a small machine.
-DRY = Sizes("cpu", torch.float32, 4, TINY_BIG, (1, 4), 48, 2, 40, block_size=16, num_prompts=2,
+DRY = Sizes("cpu", torch.float32, 4, TINY_BIG, (1, 4), 48, 2, 40, block_size=16, num_prompts=4,
             kernel_cases=((torch.float16, 8),), graph_backends=("auto",), warm_steps=1,
             throughput_configs=(("auto", False),), long_context=1024, long_seqs=8)
 
@@ -464,11 +466,15 @@ def check_prefix_cache(s: Sizes, work: Path) -> Check:
 def check_spec_decode(s: Sizes, work: Path) -> Check:
     directory = write_llama(work / "spec", TINY_LLAMA, torch.float32, seed=8)
     draft = write_llama(work / "spec-draft", TINY_LLAMA, torch.float32, seed=9)
-    ps = [p[:9] * 3 for p in prompts(s.num_prompts, seed=14, base=9)]  # repeats: ngram matches
+    # repeats, so ngram finds matches; every prompt runs at once, so speculation must stay on past
+    # the default disable_by_batch_size (3 for ngram): the first GPU run proposed nothing
+    ps = [p[:9] * 3 for p in prompts(s.num_prompts, seed=14, base=9)]
     n = s.parity_tokens + 8
     configs = {"plain": None,
-               "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-               "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}}
+               "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                         "disable_by_batch_size": 64},
+               "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+                               "disable_by_batch_size": 64}}
     tokens, detail = {}, {}
     for name, spec in configs.items():
         llm = LLM(str(directory), device=s.device, dtype="float32", speculative_config=spec,
@@ -545,7 +551,8 @@ def roofline(cfg: dict, n_params: int, batch: int, context: int) -> tuple[float,
     return weight_bytes + kv_bytes, flops, seconds
 
 
-def check_throughput(s: Sizes, work: Path, deadline: float) -> tuple[Check, list[Throughput]]:
+def check_throughput(s: Sizes, work: Path, deadline: float, profile_steps: int = 0,
+                     hf_too: bool = True) -> tuple[Check, list[Throughput]]:
     check, rows = Check("throughput"), []
     t0 = time.perf_counter()
     directory = write_llama(work / "llama-8b-shaped", s.big, s.dtype, s.device)
@@ -562,8 +569,13 @@ def check_throughput(s: Sizes, work: Path, deadline: float) -> tuple[Check, list
             check.detail[f"skipped_{backend}"] = "time budget"
             check.status = "fail"
             continue
-        rows += engine_throughput(s, directory, n_params, backend, eager, batches)
-    if not have_transformers():
+        profiles: dict = {}
+        rows += engine_throughput(s, directory, n_params, backend, eager, batches, profile_steps, profiles)
+        if profiles:
+            check.detail.setdefault("profiles", {}).update(profiles)
+    if not hf_too:
+        check.detail["hf"] = "not asked for (--no-hf)"
+    elif not have_transformers():
         check.detail["skipped_hf"] = "transformers is not installed"
         check.status = "fail"
     elif time.perf_counter() < deadline:
@@ -590,11 +602,12 @@ def check_throughput(s: Sizes, work: Path, deadline: float) -> tuple[Check, list
 
 @torch.inference_mode()
 def engine_throughput(s: Sizes, directory: Path, n_params: int, backend: str, eager: bool,
-                      batches: tuple[int, ...]) -> list[Throughput]:
+                      batches: tuple[int, ...], profile_steps: int = 0,
+                      profiles: dict | None = None) -> list[Throughput]:
     """Decode steps of `batch` sequences whose `context` positions are cached in distinct blocks
     (the cache holds zeros: the same bytes move), driven through the runner as the engine does."""
     warm = s.warm_steps
-    per_seq = -(-(s.context + warm + s.steps + 1) // s.block_size)
+    per_seq = -(-(s.context + warm + s.steps + profile_steps + 1) // s.block_size)
     cfg = EngineConfig(max_num_seqs=max(batches), num_kv_blocks=max(batches) * per_seq, block_size=s.block_size,
                        max_model_len=per_seq * s.block_size, enable_prefix_caching=False,
                        attention_backend=backend, enforce_eager=eager)
@@ -623,9 +636,51 @@ def engine_throughput(s: Sizes, directory: Path, n_params: int, backend: str, ea
         step_s = (time.perf_counter() - t0) / s.steps
         out.append(_row(name, s, n_params, batch, step_s))
         logger.info("%s batch %d: %.2f ms/step", name, batch, step_s * 1e3)
+        if profile_steps:
+            def step() -> None:
+                toks, _ = runner.run([ScheduledSeq(q, 1) for q in seqs], rows)
+                for q, t in zip(seqs, toks):
+                    q.output_token_ids.append(t)
+                    q.num_computed_tokens += 1
+            profiles[f"{name} batch {batch}"] = profile_decode(s, step, profile_steps)
     del llm, runner
     free(s.device)
     return out
+
+
+def profile_decode(s: Sizes, step, n: int) -> dict:
+    """Where a decode step's time goes: wall time per step against the time the device ran
+    kernels (a step far above its kernels' time waits on the host), and the kernels that took most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            sync(s.device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            sync(s.device)
+            wall = (time.perf_counter() - t0) / n
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / n
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+        cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                     key=lambda e: -e.self_cpu_time_total)[:8]
+        result = {"steps": n, "wall_ms_per_step": round(wall * 1e3, 3),
+                  "kernel_ms_per_step": round(busy / 1e3, 3), "kernels_per_step": round(len(kernels) / n, 1),
+                  "top_kernels": [{"name": k[:90], "ms_per_step": round(sum(v) / n / 1e3, 3), "calls_per_step": len(v) / n}
+                                  for k, v in top],
+                  "top_cpu_ops": [{"name": e.key[:60], "self_ms_per_step": round(e.self_cpu_time_total / n / 1e3, 3)}
+                                  for e in cpu]}
+        logger.info("profile: wall %.2f ms/step, kernels %.2f ms/step", result["wall_ms_per_step"],
+                    result["kernel_ms_per_step"])
+        return result
+    except Exception as exc:  # a profile is extra: its failure is recorded, the check's figures stay
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def hf_throughput(s: Sizes, hf, n_params: int, batch: int) -> Throughput:
@@ -703,41 +758,137 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="device_check.json", help="where the JSON goes")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="throughput parts that would start after this many seconds are skipped")
+    ap.add_argument("--profile-steps", type=int, default=5,
+                    help="decode steps profiled per throughput batch (kernel time against wall time); 0: none")
+    ap.add_argument("--batches", default="", help="throughput batches, e.g. 1,64 (default: 1,64,256)")
+    ap.add_argument("--backends", default="", help="throughput backends, e.g. flex (default: flex,gather)")
+    ap.add_argument("--no-hf", action="store_true", help="no HF generate throughput")
+    ap.add_argument("--result", default=None,
+                    help="also write the docs' result file here (loadtests/tools/results.py's schema: "
+                         "throughput table, checks and profile tables, the report under raw)")
+    ap.add_argument("--from", dest="from_reports", nargs="+", default=None, metavar="REPORT",
+                    help="write --result from saved reports instead of running: the first gives the throughput "
+                         "and the checks, a check that failed there is taken from a later report that ran it, "
+                         "and every report's profiles are listed")
+    ap.add_argument("--note", default=None, help="the result file's note")
     ap.add_argument("--skip", default="", help="comma-separated checks to skip: "
                                                 + ", ".join([name for name, _ in CHECKS] + ["throughput"]))
     args = ap.parse_args(argv)
+    if args.from_reports:
+        if not args.result:
+            ap.error("--from needs --result")
+        write_docs_result(args.result, [json.loads(Path(r).read_text()) for r in args.from_reports], args.note)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("model", "transformers", "torch"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     s = DRY if args.dry_run else FULL
+    if args.batches:
+        s = replace(s, batches=tuple(int(b) for b in args.batches.split(",")))
+    if args.backends:
+        s = replace(s, throughput_configs=tuple(c for c in s.throughput_configs
+                                                if c[0] in args.backends.split(",")))
     if s.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run for the CPU sequence", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    command, commit = results.command_line(), results.git_commit()  # the device's copy may have no .git: "unknown"
     skip = set(filter(None, args.skip.split(",")))
     checks: list[Check] = []
     rows: list[Throughput] = []
+
+    def report() -> dict:  # written after every check: a run cut off by a time limit keeps what it did
+        out = {"dry_run": args.dry_run, "command": command, "commit": commit,
+               "date": datetime.date.today().isoformat(), "environment": environment(s),
+               "elapsed_s": round(time.perf_counter() - start, 1),
+               "hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS,
+               "checks": [asdict(c) for c in checks], "throughput": [asdict(r) for r in rows]}
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        return out
+
     with tempfile.TemporaryDirectory(prefix="qkv-device-check-") as tmp:
         work = Path(tmp)
         for name, fn in CHECKS:
             checks.append(Check(name, "skipped") if name in skip else run_check(fn, s, work))
+            report()
         if "throughput" in skip:
             checks.append(Check("throughput", "skipped"))
         else:
             t0 = time.perf_counter()
             try:
-                check, rows = check_throughput(s, work, start + args.budget_s)
+                check, rows = check_throughput(s, work, start + args.budget_s, args.profile_steps, not args.no_hf)
             except Exception as exc:
                 check = Check("throughput", "error", {"error": f"{type(exc).__name__}: {exc}",
                                                       "traceback": traceback.format_exc(limit=6)})
             check.seconds = round(time.perf_counter() - t0, 1)
             checks.append(check)
-    report = {"dry_run": args.dry_run, "environment": environment(s), "elapsed_s": round(time.perf_counter() - start, 1),
-              "hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS,
-              "checks": [asdict(c) for c in checks], "throughput": [asdict(r) for r in rows]}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print_table(report)
+    final = report()
+    print_table(final)
+    if args.result:
+        final["environment"]["machine"] = results.machine_facts(s.device)
+        Path(args.out).write_text(json.dumps(final, indent=2) + "\n")
+        write_docs_result(args.result, [final], args.note)
     return 0 if all(c.status in ("pass", "skipped") for c in checks) else 1
+
+
+def check_summary(check: dict) -> str:
+    detail = {k: v for k, v in check["detail"].items() if k not in ("traceback", "rows", "profiles")}
+    if check["name"] == "parity":
+        detail = {k: f"{v['equal']}/{v['prompts']} equal{'' if v['ok'] else ' FAIL'}" for k, v in detail.items()}
+    return json.dumps(detail)
+
+
+def write_docs_result(path: str, reports: list[dict], note: str | None) -> dict:
+    """The docs' result file (docs/results/device_check.json) of saved reports: the first report's
+    throughput and checks; a check it failed that a later report passed is shown from the later one
+    with the row saying so; each report's decode-step profiles in a table of their own."""
+    first = reports[0]
+    env = first["environment"]
+    checks, taken_from = {c["name"]: c for c in first["checks"]}, {}
+    for i, later in enumerate(reports[1:], start=2):
+        for c in later["checks"]:
+            if c["status"] == "pass" and checks.get(c["name"], {}).get("status") not in ("pass", None):
+                checks[c["name"]], taken_from[c["name"]] = c, i
+    check_rows = [[name, c["status"], c["seconds"],
+                   (f"report {taken_from[name]} (report 1: {first_status}); " if name in taken_from else "")
+                   + check_summary(c)[:300]]
+                  for name, c in checks.items()
+                  for first_status in [next(x["status"] for x in first["checks"] if x["name"] == name)]]
+    rows = [[r["engine"], r["batch"], r["context"], r["step_ms"], r["tokens_per_s"], r["roofline_step_ms"],
+             round(100 * r["roofline_fraction"], 1)] for r in first["throughput"]]
+    profile_rows = []
+    for i, rep in enumerate(reports, start=1):
+        for c in rep["checks"]:
+            for name, prof in c["detail"].get("profiles", {}).items():
+                if "error" in prof:
+                    continue
+                top = prof["top_kernels"][0] if prof["top_kernels"] else {"name": "", "ms_per_step": 0}
+                profile_rows.append([i, name, prof["wall_ms_per_step"], prof["kernel_ms_per_step"],
+                                     prof["kernels_per_step"], f"{top['name'][:60]} ({top['ms_per_step']} ms)"])
+    machine = env.get("machine") or {"cpu_model": None, "cores": None, "copy_bandwidth_gb_s": None,
+                                     "matmul_peak_gflops": None, "not_measured": "the report predates machine facts"}
+    machine = {**machine, "gpu": env.get("gpu"), "torch": env.get("torch"), "cuda": env.get("cuda"),
+               "transformers": env.get("transformers")}
+    commands = [f"report {i}: {r.get('command', 'not recorded')}" for i, r in enumerate(reports, start=1)]
+    doc = {"benchmark": "device_check", "title": "The GPU device check: decode throughput of a Llama-3.1-8B shape",
+           "command": "; ".join(commands), "date": first.get("date", datetime.date.today().isoformat()),
+           "commit": first.get("commit", "not recorded"), "machine": machine,
+           "table": {"columns": ["engine", "batch", "context", "ms/step", "tokens/s", "roofline ms", "% of roofline"],
+                     "rows": rows},
+           "tables": {"checks": {"columns": ["check", "status", "s", "detail"], "rows": check_rows}}}
+    if profile_rows:
+        doc["tables"]["profile"] = {"columns": ["report", "engine and batch", "wall ms/step (profiled)",
+                                                "kernel ms/step", "kernels/step", "largest kernel"],
+                                    "rows": profile_rows}
+    if note:
+        doc["note"] = note
+    doc["raw"] = reports
+    missing = results.problems(doc)
+    if missing:
+        raise ValueError(f"device_check result: {'; '.join(missing)}")
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}")
+    return doc
 
 
 def print_table(report: dict) -> None:
@@ -745,10 +896,7 @@ def print_table(report: dict) -> None:
     print(f"\ndevice check on {env.get('gpu', env['device'])} (torch {env['torch']}), {report['elapsed_s']} s")
     print(f"{'check':<18}{'status':<9}{'s':>7}  detail")
     for c in report["checks"]:
-        detail = {k: v for k, v in c["detail"].items() if k not in ("traceback", "rows")}
-        if c["name"] == "parity":
-            detail = {k: f"{v['equal']}/{v['prompts']} equal{'' if v['ok'] else ' FAIL'}" for k, v in detail.items()}
-        print(f"{c['name']:<18}{c['status']:<9}{c['seconds']:>7}  {json.dumps(detail)[:160]}")
+        print(f"{c['name']:<18}{c['status']:<9}{c['seconds']:>7}  {check_summary(c)[:160]}")
     if report["throughput"]:
         print(f"\n{'engine':<22}{'batch':>6}{'ctx':>6}{'ms/step':>10}{'tok/s':>11}{'roof ms':>9}{'of roof':>9}")
         for r in report["throughput"]:
