@@ -95,8 +95,9 @@ def main() -> None:
     rows, ref = [], None
     for method, group, head, acts in schemes:
         t0 = time.perf_counter()
-        llm = LLM(args.model, device="cpu", dtype="float32", quantization=method, quantization_group_size=group,
+        llm = LLM(args.model, device="cpu", dtype="float32",
                   engine_config=EngineConfig(max_num_seqs=args.prompts, num_kv_blocks=16 * args.prompts,
+                                             quantization=method, quantization_group_size=group,
                                              quantize_lm_head=head, quantization_activations=acts))
         if acts == "int8" and not llm.engine.int8_activations:
             raise SystemExit("quantization_activations=int8 did not take: the kernel has no integer path here")
