@@ -297,6 +297,12 @@ class EngineConfig:
                                             "baseline for benchmarks only.")
     enable_prefix_caching: bool = described(True, "Reuse the K/V of full blocks whose tokens (and all before "
                                                   "them) an earlier request computed.")
+    kv_offload_bytes: int = described(0, "Bytes of the prefix cache's second tier: cached blocks evicted from "
+                                         "the pool are kept there and copied back when a prompt's prefix "
+                                         "runs into them, instead of being recomputed; in host memory, or in "
+                                         "a file under `kv_offload_dir`. 0: no tier. Needs prefix caching.")
+    kv_offload_dir: str | None = described(None, "A directory on a local disk for the tier's file (unlinked at "
+                                                 "once, so it never outlives the process); None: host memory.")
     kv_cache_dtype: KVCacheDtype = described("auto", "Storage type of cached keys and values; auto: the model's "
                                                      "dtype. bfloat16/float16 halve the cache's memory (twice the "
                                                      "blocks for the same bytes) and the bytes attention reads.")
@@ -379,7 +385,18 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {self.attention_backend!r}")
+        self._check_offload()
         self._check_parallel()
+
+    def _check_offload(self) -> None:
+        if not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool) \
+                or self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be an integer >= 0, got {self.kv_offload_bytes!r}")
+        if self.kv_offload_dir is not None and self.kv_offload_bytes == 0:
+            raise ValueError("kv_offload_dir needs kv_offload_bytes > 0 (the tier's size)")
+        if self.kv_offload_bytes and not (self.enable_prefix_caching and self.enable_kv_cache):
+            raise ValueError("kv_offload_bytes needs enable_prefix_caching (the tier keeps the prefix cache's "
+                             "evicted blocks)")
 
     def _check_parallel(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -392,6 +409,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             for name, off in (("quantization", self.quantization == "none"),
                               ("speculative_config", self.speculative_config is None),
+                              ("kv_offload_bytes", self.kv_offload_bytes == 0),
                               ("lora_modules", not self.lora_modules and not self.lora_dynamic_path)):
                 if not off:
                     raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 (got "

@@ -81,6 +81,8 @@ class AppArgs(BaseModel):
     kv_cache_bytes: int | None = engine_arg("kv_cache_bytes", ge=1)
     num_kv_blocks: int | None = engine_arg("num_kv_blocks", ge=1)
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = engine_arg("kv_cache_dtype")
+    kv_offload_bytes: int = engine_arg("kv_offload_bytes", ge=0)
+    kv_offload_dir: str | None = engine_arg("kv_offload_dir")
     attention_backend: Literal["auto", "gather", "fused", "flex"] = engine_arg("attention_backend")
     enforce_eager: bool | None = engine_arg("enforce_eager")
     quantization: Literal["none", "int8", "int4"] = engine_arg("quantization")

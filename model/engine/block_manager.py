@@ -9,6 +9,10 @@ are reference-counted; one whose count drops to zero keeps its contents and stay
 until the pool needs its memory: plain free blocks are used first, then cached ones are
 evicted least recently used first, and of one sequence the tail of the chain before its head.
 
+A second tier (`tier`, model/engine/kv_offload.py): a cached block evicted from the pool is saved
+there under its hash, and `match` continues a prefix past the pool's blocks with the tier's, each
+copied into a pool block and cached there as if it had been computed.
+
 Sliding windows: when every layer is windowed, a sequence's leading blocks that no future query
 can see are given back as decoding moves on (`release_out_of_window`); their table entries become
 `null_block`, an id outside the pool (the engine's scratch block, which every attention path may
@@ -21,8 +25,19 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from model.engine.sequence import Sequence
+
+
+class BlockTier(Protocol):
+    """Where evicted cached blocks go, by hash (model/engine/kv_offload.py's KVOffload)."""
+
+    def save(self, block: int, key: bytes) -> None: ...
+
+    def has(self, key: bytes) -> bool: ...
+
+    def load(self, key: bytes, block: int) -> bool: ...
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -61,7 +76,7 @@ class BlockManager:
     """Hands out fixed-size KV blocks; a sequence's `block_table` lists the blocks it holds in order."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 salt: bytes = b"", null_block: int | None = None) -> None:
+                 salt: bytes = b"", null_block: int | None = None, tier: BlockTier | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -70,6 +85,7 @@ class BlockManager:
         self.salt = salt
         self.null_block = num_blocks if null_block is None else null_block
         self.stats = PrefixCacheStats()
+        self.tier = tier if enable_prefix_caching else None
         self._free: deque[int] = deque(range(num_blocks))  # count 0, nothing cached in them
         self._ref = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
@@ -121,10 +137,15 @@ class BlockManager:
                 else:
                     self._free.appendleft(block)
 
-    def _take_free(self) -> int:
+    def _take_free(self, keep: set[int] | frozenset[int] = frozenset()) -> int:
+        """A free block, else the least recently used evictable one not in `keep` (saved to the
+        tier first, if there is one)."""
         if self._free:
             return self._free.popleft()
-        block, _ = self._evictable.popitem(last=False)  # least recently used
+        block = next(b for b in self._evictable if b not in keep)
+        del self._evictable[block]
+        if self.tier is not None and self._hash_of[block] is not None:
+            self.tier.save(block, self._hash_of[block])
         self._uncache(block)
         return block
 
@@ -182,17 +203,45 @@ class BlockManager:
 
     def match(self, seq: Sequence) -> list[int]:
         """The cached blocks holding the longest run of `seq`'s leading full blocks, leaving at
-        least its last token to compute (its logits are needed). Takes nothing."""
+        least its last token to compute (its logits are needed). Takes nothing from the pool's
+        holders; with a tier, the run goes on with its blocks, loaded into evictable pool blocks."""
         if not self.enable_prefix_caching or seq.block_table:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
-        found = []
-        for h in self.hashes(seq)[:limit]:
+        found: list[int] = []
+        hashes = self.hashes(seq)[:limit]
+        for h in hashes:
             block = self._cached.get(h)
             if block is None:
                 break
             found.append(block)
+        if self.tier is not None:
+            found += self._from_tier(hashes[len(found):], set(found))
         return found
+
+    def _from_tier(self, hashes: list[bytes], keep: set[int]) -> list[int]:
+        """The run of `hashes` from the pool or the tier: the tier's blocks are copied into pool
+        blocks, cached there as evictable (the caller takes them like any cached block). Stops at
+        a block neither has or the tier cannot read back, or when only blocks of the run so far
+        (`keep`) are left to reuse."""
+        run: list[int] = []
+        kept_evictable = sum(1 for b in keep if b in self._evictable)
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                if len(self._free) + len(self._evictable) - kept_evictable == 0 or not self.tier.has(h):
+                    break
+                block = self._take_free(keep)
+                if not self.tier.load(h, block):
+                    self._free.appendleft(block)
+                    break
+                self._cached[h], self._hash_of[block] = block, h
+                self._evictable[block] = None  # the most recently used: evicted last
+            if block in self._evictable:
+                kept_evictable += 1
+            keep.add(block)
+            run.append(block)
+        return run
 
     def first_uncached_hash(self, seq: Sequence, num_matched: int) -> bytes | None:
         """The hash of the first full block after the matched ones that `seq` would compute."""

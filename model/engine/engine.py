@@ -14,6 +14,7 @@ import torch
 from model.config import PRESETS, EngineConfig, ModelConfig, RuntimeInfo
 from model.engine.block_manager import BlockManager, blocks_for
 from model.engine.embedder import Embedder
+from model.engine.kv_offload import KVOffload
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
@@ -58,6 +59,14 @@ class EngineStats:
     lora_adapter_loads: int = 0  # adapters put into a slot, since start
     lora_adapter_evictions: int = 0
     lora_resident: tuple[str, ...] = ()  # the resident adapters' names (what the router prefers replicas by)
+    # The prefix cache's second tier (model/engine/kv_offload.py), totals since start.
+    kv_offload_saved_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_bytes_written: int = 0
+    kv_offload_bytes_read: int = 0
+    kv_offload_load_seconds: float = 0.0
+    kv_offload_errors: int = 0
+    kv_offload_skipped_blocks: int = 0
 
 
 @dataclass
@@ -136,7 +145,10 @@ class Engine:
         # dtype) salts every block hash, since the cached K/V are a function of all of them.
         salt = f"{model}|{cfg!r}|{self.dtype}".encode()
         caching = self.config.enable_prefix_caching and self.config.enable_kv_cache
-        blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt)
+        self.kv_offload = (KVOffload(cache.keys + cache.values, ec.kv_offload_bytes, ec.kv_offload_dir)
+                           if ec.kv_offload_bytes and net is not None else None)
+        blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt,
+                              tier=self.kv_offload)
         # Rotations that depend on a sequence's length (model/layers/positions.py): dynamic NTK, LongRoPE.
         rope = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.kind in ("dynamic", "longrope") \
             else None
@@ -274,10 +286,13 @@ class Engine:
             self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (idempotent; a single-process engine has none)."""
+        """Stop the tensor-parallel workers and the KV offload tier's writer (idempotent)."""
         runner = getattr(self, "runner", None)  # absent when __init__ failed early
         if hasattr(runner, "shutdown"):
             runner.shutdown()
+        tier = getattr(self, "kv_offload", None)
+        if tier is not None:
+            tier.close()
 
     def __del__(self) -> None:
         try:
@@ -299,7 +314,15 @@ class Engine:
                            **({} if self.lora is None else {
                                "lora_adapters_loaded": len(self.lora.slot_of), "lora_adapter_loads": self.lora.num_loads,
                                "lora_adapter_evictions": self.lora.num_evictions,
-                               "lora_resident": tuple(self.lora.slot_of)}))
+                               "lora_resident": tuple(self.lora.slot_of)}),
+                           **({} if self.kv_offload is None else self._offload_stats()))
+
+    def _offload_stats(self) -> dict[str, int | float]:
+        st = self.kv_offload.stats
+        return {"kv_offload_saved_blocks": st.saved_blocks, "kv_offload_loaded_blocks": st.loaded_blocks,
+                "kv_offload_bytes_written": st.bytes_written, "kv_offload_bytes_read": st.bytes_read,
+                "kv_offload_load_seconds": st.load_seconds, "kv_offload_errors": st.errors,
+                "kv_offload_skipped_blocks": st.skipped_blocks}
 
     # ---- the step -------------------------------------------------------------------
 

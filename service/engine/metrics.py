@@ -73,6 +73,19 @@ METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens looked up in the prefix cache."),
     MetricSpec("prefix_hits", "qkv_prefix_cache_hits_total", "counter",
                "Prompt tokens found in the prefix cache (their K/V not recomputed)."),
+    MetricSpec("offload_saved", "qkv_kv_offload_saved_blocks_total", "counter",
+               "KV blocks evicted from the pool and written to the prefix cache's offload tier."),
+    MetricSpec("offload_loaded", "qkv_kv_offload_loaded_blocks_total", "counter",
+               "KV blocks copied back from the offload tier instead of recomputed (tier hits)."),
+    MetricSpec("offload_written", "qkv_kv_offload_bytes_written_total", "counter", "Bytes written to the offload tier."),
+    MetricSpec("offload_read", "qkv_kv_offload_bytes_read_total", "counter", "Bytes read back from the offload tier."),
+    MetricSpec("offload_load_time", "qkv_kv_offload_load_seconds_total", "counter",
+               "Time the engine spent copying blocks back from the offload tier."),
+    MetricSpec("offload_errors", "qkv_kv_offload_errors_total", "counter",
+               "Offload-tier blocks dropped: a write that failed (a full disk) or a read that did not match its "
+               "checksum; their tokens are recomputed."),
+    MetricSpec("offload_skipped", "qkv_kv_offload_skipped_blocks_total", "counter",
+               "KV blocks evicted from the pool but not saved: the offload tier's writer was too far behind."),
     MetricSpec("spec_drafts", "qkv_spec_decode_num_draft_tokens_total", "counter",
                "Speculative tokens proposed and verified."),
     MetricSpec("spec_accepted", "qkv_spec_decode_num_accepted_tokens_total", "counter",
@@ -108,8 +121,7 @@ class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         for spec in METRICS:
             setattr(self, spec.attr, spec.register(model_name))
-        self._seen = {"num_preemptions_total": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                      "lora_adapter_loads": 0, "lora_adapter_evictions": 0}
+        self._seen = dict.fromkeys((name for name, _ in self._totals()), 0)
         self._unreported_tokens = 0  # generated tokens observed since the last refresh
         self._spec_seen = [0, 0]  # speculative tokens proposed / accepted at the last refresh
 
@@ -174,14 +186,22 @@ class EngineMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.lora_loaded.set(getattr(stats, "lora_adapters_loaded", 0))
         # The engine keeps running totals; the counters get what was added since the last refresh.
-        for name, counter in (("num_preemptions_total", self.preemptions),
-                              ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                              ("lora_adapter_loads", self.lora_loads), ("lora_adapter_evictions", self.lora_evictions)):
+        for name, counter in self._totals():
             total = getattr(stats, name, 0)
             if total > self._seen[name]:
                 counter.inc(total - self._seen[name])
             self._seen[name] = total
         self._refresh_spec(stats)
+
+    def _totals(self) -> tuple[tuple[str, Counter], ...]:
+        """The EngineStats running totals each counter follows."""
+        return (("num_preemptions_total", self.preemptions),
+                ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                ("lora_adapter_loads", self.lora_loads), ("lora_adapter_evictions", self.lora_evictions),
+                ("kv_offload_saved_blocks", self.offload_saved), ("kv_offload_loaded_blocks", self.offload_loaded),
+                ("kv_offload_bytes_written", self.offload_written), ("kv_offload_bytes_read", self.offload_read),
+                ("kv_offload_load_seconds", self.offload_load_time), ("kv_offload_errors", self.offload_errors),
+                ("kv_offload_skipped_blocks", self.offload_skipped))
 
     def _refresh_spec(self, stats: object) -> None:
         """Speculative decoding: the two token counters, and the acceptance rate per position."""
