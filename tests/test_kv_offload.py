@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
 
 import pytest
 
@@ -201,6 +202,33 @@ def test_a_full_disk_drops_blocks_and_changes_no_token(reference, tmp_path, monk
     stats = llm.engine.stats()
     assert stats.kv_offload_errors > 0 and stats.kv_offload_saved_blocks == 0
     assert stats.kv_offload_bytes_written == 0
+
+
+def test_a_writer_that_falls_behind_skips_blocks_and_changes_no_token(reference, tmp_path, monkeypatch) -> None:
+    """A writer held up (a slow disk: every write waits on a gate here) does not hold up the step:
+    past MAX_PENDING blocks queued, evicted blocks are skipped, and the blocks still queued are
+    read from their copies."""
+    from model.engine import kv_offload
+
+    gate, real = threading.Event(), DiskStore.write
+
+    def slow(self, slot, data):
+        gate.wait(60)
+        real(self, slot, data)
+
+    monkeypatch.setattr(DiskStore, "write", slow)
+    monkeypatch.setattr(kv_offload, "MAX_PENDING", 4)
+    llm = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=12, kv_offload_bytes=64 << 20,
+                                                kv_offload_dir=str(tmp_path)))
+    try:
+        got = run_one_by_one(llm)
+    finally:
+        gate.set()
+    assert got == reference
+    llm.engine.kv_offload.flush()
+    stats = llm.engine.stats()
+    assert stats.kv_offload_skipped_blocks > 0
+    assert stats.kv_offload_saved_blocks <= 4 + 1  # the queue's 4 and the one being written
 
 
 @pytest.mark.parametrize("fields, message", [

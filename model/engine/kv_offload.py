@@ -135,7 +135,7 @@ class KVOffload:
             if key in self._index:
                 self._index.move_to_end(key)
                 return
-            if len(self._staged) >= MAX_PENDING:
+            if self._queue.qsize() >= MAX_PENDING:  # each queued block holds its copy
                 self.stats.skipped_blocks += 1
                 return
             slot = self._free.pop() if self._free else self._evict_oldest()
