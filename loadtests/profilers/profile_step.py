@@ -6,6 +6,7 @@ the fused kernel); `kv write` is storing the step's K/V into the cache. Both are
 record_function ranges around those calls, so they include every op they run.
 
     .venv/bin/python loadtests/profilers/profile_step.py [--batch 1,64] [--context 270] [--backend fused,gather]
+        [--quantization int8|int4]
 """
 
 from __future__ import annotations
@@ -153,12 +154,15 @@ def main() -> None:
     ap.add_argument("--backend", default="fused,gather")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-dtype", default=None)
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                    help="weights quantized on the fly (the LM head and activations as the defaults pick)")
     ap.add_argument("--out", default="results/profile_step.json")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     tmp = tempfile.mkdtemp(prefix="qkv-profile-")
     save_model(build_preset(args.preset), tmp)
     extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+    extra["quantization"] = args.quantization
     llm = LLM(tmp, dtype=args.dtype, engine_config=EngineConfig(max_num_seqs=64, kv_cache_bytes=3 << 30, **extra))
     results = []
     for backend in args.backend.split(","):
