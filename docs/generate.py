@@ -7,6 +7,7 @@ A page asks for a part with a marker line, alone on its line (`render_page` repl
     <!-- generated: arguments NAME NAME ... --> the rows of those arguments only (a feature page's)
     <!-- generated: speculative_config -->     the keys of `speculative_config`
     <!-- generated: metrics -->                every metric the service exports
+    <!-- generated: metrics PREFIX ... -->     the metrics whose name starts with one of these (a feature page's)
     <!-- generated: bench NAME -->             the table of docs/results/NAME.json, with its provenance
 
 Descriptions come from `Field(description=...)` on `service.app.AppArgs` and from the field
@@ -61,14 +62,14 @@ def render_marker(kind: str, args: list[str], results_dir: Path = RESULTS) -> st
         return arguments_table(args or None)
     if kind == "speculative_config" and not args:
         return speculative_config_table()
-    if kind == "metrics" and not args:
-        return metrics_table()
+    if kind == "metrics":
+        return metrics_table(args or None)
     if kind == "bench" and len(args) == 1:
         return bench_table(args[0], results_dir)
     if kind == "bench" and len(args) == 2:
         return bench_extra_table(args[0], args[1], results_dir)
     raise ValueError(f"unknown docs marker 'generated: {' '.join([kind, *args])}'; known: arguments [NAME ...], "
-                     "speculative_config, metrics, bench NAME [TABLE]")
+                     "speculative_config, metrics [PREFIX ...], bench NAME [TABLE]")
 
 
 # ---- arguments ------------------------------------------------------------------------------
@@ -153,14 +154,18 @@ def format_default(value: Any) -> str:
 
 # ---- metrics --------------------------------------------------------------------------------
 
-def metrics_table() -> str:
-    """Every metric in `service.engine.metrics.METRICS`, under the name Prometheus sees (Ray's `ray_` prefix)."""
+def metrics_table(prefixes: list[str] | None = None) -> str:
+    """The metrics in `service.engine.metrics.METRICS` (those whose registered name starts with one
+    of `prefixes`, if given), under the name Prometheus sees (Ray's `ray_` prefix)."""
     from service.engine.metrics import METRICS, exported_name
 
+    chosen = [m for m in METRICS if prefixes is None or m.name.startswith(tuple(prefixes))]
+    if not chosen:
+        raise ValueError(f"docs marker 'generated: metrics {' '.join(prefixes or [])}': no metric has such a name")
     suffixes = {"histogram": " (`_bucket`, `_sum`, `_count`)", "counter": "", "gauge": ""}
     return table(["Metric", "Type", "Labels", "Description"],
                  [[f"`{exported_name(m)}`{suffixes[m.kind]}", m.kind, ", ".join(f"`{lb}`" for lb in m.all_labels),
-                   m.description] for m in METRICS])
+                   m.description] for m in chosen])
 
 
 # ---- benchmark results ----------------------------------------------------------------------

@@ -402,7 +402,12 @@ def test_markers_render_tables_from_their_sources(tmp_path: Path) -> None:
     assert all(f"`ray_{m.name}`" in out for m in METRICS)
     assert "| a \\| b | 12.5 |" in out and "Note: noisy" in out and "`abc1234`" in out
     assert "\ntext\n" in out
+    some = generate.render_page("<!-- generated: metrics qkv_kv_offload qkv_num_requests -->\n", tmp_path)
+    chosen = {m.name for m in METRICS if m.name.startswith(("qkv_kv_offload", "qkv_num_requests"))}
+    assert len(chosen) > 2 and all(f"`ray_{m.name}`" in some for m in METRICS if m.name in chosen)
+    assert not any(f"`ray_{m.name}`" in some for m in METRICS if m.name not in chosen)
     for bad in ("<!-- generated: bench nothing -->", "<!-- generated: arguments max_num_seq -->",
-                "<!-- generated: nonsense -->", "<!-- generated: bench demo gpu -->"):
+                "<!-- generated: nonsense -->", "<!-- generated: bench demo gpu -->",
+                "<!-- generated: metrics qkv_no_such_metric -->"):
         with pytest.raises(ValueError):
             generate.render_page(bad, tmp_path)
