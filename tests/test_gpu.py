@@ -154,3 +154,24 @@ def test_ngram_speculation_equals_plain_greedy(device, checkpoints) -> None:
                engine_config=EngineConfig(block_size=BLOCK))
     assert fast.generate([prompt], greedy)[0].token_ids == plain.generate([prompt], greedy)[0].token_ids
     assert fast.engine.stats().spec_decode_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_kv_offload_tier_gives_the_same_tokens(device, checkpoints, where, tmp_path) -> None:
+    """The prefix cache's offload tier on the device (blocks copied out to the host and back,
+    decode graphs on): a pool of 8 blocks holds one 80-token prompt, so the second ask of each of
+    four finds its prefix in the tier; tokens equal those without prefix caching."""
+    g = torch.Generator().manual_seed(9)
+    systems = [torch.randint(1, 301, (80,), generator=g).tolist() for _ in range(4)]
+    prompts = [s + torch.randint(1, 301, (5,), generator=g).tolist() for _ in range(2) for s in systems]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(**fields) -> tuple[list[list[int]], object]:
+        llm = LLM(checkpoints["llama"], device=device, dtype="float32",
+                  engine_config=EngineConfig(block_size=BLOCK, num_kv_blocks=8, **fields))
+        return [llm.generate([p], greedy)[0].token_ids for p in prompts], llm.engine.stats()
+
+    want, _ = run(enable_prefix_caching=False)
+    got, stats = run(kv_offload_bytes=32 << 20, kv_offload_dir=str(tmp_path) if where == "disk" else None)
+    assert got == want
+    assert stats.kv_offload_loaded_blocks >= 4 * 5 - 5 and stats.kv_offload_errors == 0
