@@ -358,6 +358,8 @@ class TestTwoModels:
                             "lora_modules": {"sql": str(ckpts["adapters"] / "d")}, **beta_cpus}],
                 **SMALL}
         url = _deploy(serve_instance, args)
+        if request.param == ONE_DEPLOYMENT:  # serve.run returns with both replicas up, HAProxy may list one yet
+            wait_until(lambda: len(engine_replica_ports()) == 2, 60, "HAProxy to list both engine replicas")
         yield request.param, url
         serve_instance.delete("qkv")
 
@@ -453,8 +455,9 @@ class TestTwoModels:
         layout, url = app
         if layout != ONE_DEPLOYMENT:
             pytest.skip("the front layout's models are deployments of their own")
-        before = replicas_by_model()
-        assert set(before) == {"alpha", "beta"}, before
+        # each replica's gauges reach Ray's metrics endpoint on its first refresh after start
+        before = wait_until(lambda: now if set(now := replicas_by_model()) == {"alpha", "beta"} else None, 60,
+                            "both models' replicas in the metrics")
         ray.kill(ray.get_actor(f"SERVE_REPLICA::qkv#EngineDeployment#{before['beta']}", namespace="serve"),
                  no_restart=True)
 
