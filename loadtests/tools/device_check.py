@@ -624,24 +624,23 @@ def engine_throughput(s: Sizes, directory: Path, n_params: int, backend: str, ea
             seq.num_computed_tokens = s.context - 1
             seqs.append(seq)
         rows = [SamplingRow(q.params, q.prompt_token_ids, q.output_token_ids, None, []) for q in seqs]
-        for step in range(warm + s.steps):
-            if step == warm:
-                sync(s.device)
-                t0 = time.perf_counter()
+
+        def step(seqs: list[Sequence] = seqs, rows: list[SamplingRow] = rows) -> None:
             toks, _ = runner.run([ScheduledSeq(q, 1) for q in seqs], rows)
             for q, t in zip(seqs, toks):
                 q.output_token_ids.append(t)
                 q.num_computed_tokens += 1
+
+        for i in range(warm + s.steps):
+            if i == warm:
+                sync(s.device)
+                t0 = time.perf_counter()
+            step()
         sync(s.device)
         step_s = (time.perf_counter() - t0) / s.steps
         out.append(_row(name, s, n_params, batch, step_s))
         logger.info("%s batch %d: %.2f ms/step", name, batch, step_s * 1e3)
         if profile_steps:
-            def step() -> None:
-                toks, _ = runner.run([ScheduledSeq(q, 1) for q in seqs], rows)
-                for q, t in zip(seqs, toks):
-                    q.output_token_ids.append(t)
-                    q.num_computed_tokens += 1
             profiles[f"{name} batch {batch}"] = profile_decode(s, step, profile_steps)
     del llm, runner
     free(s.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -318,11 +318,8 @@ class Engine:
                            **({} if self.kv_offload is None else self._offload_stats()))
 
     def _offload_stats(self) -> dict[str, int | float]:
-        st = self.kv_offload.stats
-        return {"kv_offload_saved_blocks": st.saved_blocks, "kv_offload_loaded_blocks": st.loaded_blocks,
-                "kv_offload_bytes_written": st.bytes_written, "kv_offload_bytes_read": st.bytes_read,
-                "kv_offload_load_seconds": st.load_seconds, "kv_offload_errors": st.errors,
-                "kv_offload_skipped_blocks": st.skipped_blocks}
+        """The tier's OffloadStats as EngineStats' kv_offload_* fields (the same names, prefixed)."""
+        return {f"kv_offload_{name}": value for name, value in asdict(self.kv_offload.stats).items()}
 
     # ---- the step -------------------------------------------------------------------
 
