@@ -303,6 +303,13 @@ class EngineConfig:
                                          "a file under `kv_offload_dir`. 0: no tier. Needs prefix caching.")
     kv_offload_dir: str | None = described(None, "A directory on a local disk for the tier's file (unlinked at "
                                                  "once, so it never outlives the process); None: host memory.")
+    kv_share_dir: str | None = described(None, "A directory the engines of one node share (e.g. under /dev/shm): "
+                                               "each writes the prompt blocks it computes there, one file per "
+                                               "block, and a prompt whose prefix another engine computed loads "
+                                               "its blocks instead of recomputing them. None: no shared tier. "
+                                               "Needs prefix caching and `kv_share_bytes`.")
+    kv_share_bytes: int = described(0, "The size the engines keep `kv_share_dir` near (least recently used "
+                                       "blocks removed first).")
     kv_cache_dtype: KVCacheDtype = described("auto", "Storage type of cached keys and values; auto: the model's "
                                                      "dtype. bfloat16/float16 halve the cache's memory (twice the "
                                                      "blocks for the same bytes) and the bytes attention reads.")
@@ -397,6 +404,14 @@ class EngineConfig:
         if self.kv_offload_bytes and not (self.enable_prefix_caching and self.enable_kv_cache):
             raise ValueError("kv_offload_bytes needs enable_prefix_caching (the tier keeps the prefix cache's "
                              "evicted blocks)")
+        if not isinstance(self.kv_share_bytes, int) or isinstance(self.kv_share_bytes, bool) \
+                or self.kv_share_bytes < 0:
+            raise ValueError(f"kv_share_bytes must be an integer >= 0, got {self.kv_share_bytes!r}")
+        if (self.kv_share_dir is None) != (self.kv_share_bytes == 0):
+            raise ValueError("kv_share_dir and kv_share_bytes go together (the shared directory and its size); "
+                             f"got kv_share_dir={self.kv_share_dir!r}, kv_share_bytes={self.kv_share_bytes}")
+        if self.kv_share_dir is not None and not (self.enable_prefix_caching and self.enable_kv_cache):
+            raise ValueError("kv_share_dir needs enable_prefix_caching (the shared blocks are the prefix cache's)")
 
     def _check_parallel(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -410,6 +425,7 @@ class EngineConfig:
             for name, off in (("quantization", self.quantization == "none"),
                               ("speculative_config", self.speculative_config is None),
                               ("kv_offload_bytes", self.kv_offload_bytes == 0),
+                              ("kv_share_dir", self.kv_share_dir is None),
                               ("lora_modules", not self.lora_modules and not self.lora_dynamic_path)):
                 if not off:
                     raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 (got "

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
@@ -33,7 +33,7 @@ from model.loading.loading import is_preset
 from service.engine.admission import admission_capacity
 from service.http.api import API_KEY_ENV, IngressSettings
 from service.launch import haproxy_enabled
-from service.replica.engine_deployment import EngineBackend, EngineDeployment
+from service.replica.engine_deployment import EngineBackend, EngineDeployment, PrefillDeployment
 from service.replica.placement import PlacementStrategy, engine_device, replica_resources, warn_if_unplaceable
 from service.routing.prefix_route import PrefixRoute
 
@@ -69,6 +69,16 @@ class AppArgs(BaseModel):
                                                        "CUDA build and the cluster has GPUs, decided when the app "
                                                        "is built.")
     num_replicas: int = Field(1, ge=1, description="Engine replicas (each a whole engine and its HTTP edge).")
+    prefill_replicas: int = Field(0, ge=0, description="Replicas of a separate `Prefill` deployment (prefill/decode "
+                                  "disaggregation): the engine replicas fetch the KV blocks of long prompts from "
+                                  "it instead of prefilling them. Same model and engine arguments. 0: none.")
+    prefill_num_cpus: float | None = Field(None, gt=0, description="Ray CPUs of a prefill replica; None: "
+                                           "engine_num_cpus.")
+    prefill_min_tokens: int = Field(64, ge=1, description="Prompts shorter than this are prefilled by the engine "
+                                    "replica itself, not the Prefill deployment.")
+    prefill_timeout_s: float = Field(60.0, gt=0, description="How long an engine replica waits for the Prefill "
+                                     "deployment (each of the call and the transfer) before prefilling the prompt "
+                                     "itself.")
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve's autoscaling_config "
                                                       "(min_replicas, max_replicas, target_ongoing_requests, ...); "
                                                       "replaces num_replicas when given.")
@@ -83,6 +93,8 @@ class AppArgs(BaseModel):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = engine_arg("kv_cache_dtype")
     kv_offload_bytes: int = engine_arg("kv_offload_bytes", ge=0)
     kv_offload_dir: str | None = engine_arg("kv_offload_dir")
+    kv_share_dir: str | None = engine_arg("kv_share_dir")
+    kv_share_bytes: int = engine_arg("kv_share_bytes", ge=0)
     attention_backend: Literal["auto", "gather", "fused", "flex"] = engine_arg("attention_backend")
     enforce_eager: bool | None = engine_arg("enforce_eager")
     quantization: Literal["none", "int8", "int4"] = engine_arg("quantization")
@@ -109,6 +121,9 @@ class AppArgs(BaseModel):
                                        "it.")
     routing_imbalance_threshold: int = Field(8, ge=0, description="...unless that replica has this many more "
                                              "requests than the least busy one.")
+    routing_tier_imbalance_threshold: int = Field(1, ge=0, description="The same allowance when the shared KV tier "
+                                                  "(`kv_share_dir`) holds all the replica holds of the prefix: "
+                                                  "any replica then loads it instead of recomputing.")
     # admission: each engine replica's own gate (service/engine/admission.py)
     max_ongoing_requests: int | None = Field(None, ge=1, description="Requests in flight in one engine replica; "
                                              "None: max_num_seqs plus a quarter of it (at least 4), so nothing "
@@ -151,6 +166,17 @@ class AppArgs(BaseModel):
     models: list[dict[str, Any]] | None = Field(None, description="Several base models behind one endpoint: a "
                                                 "list of per-model argument dicts, each taking these arguments "
                                                 "(service/multi_model.py).")
+
+    @model_validator(mode="after")
+    def _prefill_needs_the_prefix_cache(self) -> "AppArgs":
+        if self.prefill_replicas:
+            for name, ok in (("enable_prefix_caching", self.enable_prefix_caching),
+                             ("tensor_parallel_size 1", self.tensor_parallel_size == 1),
+                             ("one model (not models)", self.models is None)):
+                if not ok:
+                    raise ValueError(f"prefill_replicas needs {name}: the engine replicas take the Prefill "
+                                     "deployment's blocks into their prefix cache, one process each")
+        return self
 
     @field_validator("pipeline_parallel_size")
     @classmethod
@@ -219,6 +245,7 @@ def router_options(args: AppArgs, **router_kwargs: Any) -> dict[str, Any]:
     weighing replicas by the load (and resident adapters) each reports every second; `router_kwargs`
     add to (or replace) its `initialize_state` arguments."""
     kwargs = {"block_size": args.block_size, "imbalance_threshold": args.routing_imbalance_threshold,
+              "tier_imbalance_threshold": args.routing_tier_imbalance_threshold,
               "route_by_prefix": args.enable_prefix_caching, **router_kwargs}
     return {"request_router_config": RequestRouterConfig(
         request_router_class="service.routing.router.PrefixAwareRouter", request_router_kwargs=kwargs,
@@ -252,9 +279,15 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     """
     prefix_router = wants_prefix_router(args, behind_front=deployment_name is not None)
     options = engine_options(args)
+    init = engine_init(args, engine_wrapper)
+    if args.prefill_replicas:  # prefill/decode disaggregation (service/replica/kv_connector.py)
+        prefill = args.model_copy(update={"engine_num_cpus": args.prefill_num_cpus or args.engine_num_cpus,
+                                          "num_replicas": args.prefill_replicas, "autoscaling_config": None})
+        init |= {"prefill": PrefillDeployment.options(**engine_options(prefill)).bind(**engine_init(prefill, engine_wrapper)),
+                 "prefill_min_tokens": args.prefill_min_tokens, "prefill_timeout_s": args.prefill_timeout_s}
     engine = (EngineBackend.options(name=deployment_name) if deployment_name else EngineDeployment).options(
         **options, **(router_options(args) if prefix_router else {}),
-    ).bind(**engine_init(args, engine_wrapper))
+    ).bind(**init)
     scaling = options.get("autoscaling_config") or {"num_replicas": options.get("num_replicas")}
     logger.info("building %s on %s: %s, admission %d per replica, %s, api key %s", args.resolved_name(),
                 "GPU" if use_gpu(args.accelerator) else "CPU", scaling, args.admission(),

@@ -57,10 +57,31 @@ class StepStallInjector(StepFaultInjector):
         return self._engine.step()
 
 
-def inject(engine: Any, fault_marker: str | None = None, stall_marker: str | None = None) -> Any:
+class SlowExport:
+    """Wraps an `Engine`: exporting the blocks of a prompt whose text contains `marker` (a prefill
+    replica's side of a transfer) first sleeps `delay_s` on the step thread, long enough for a test
+    to kill the replica mid-transfer."""
+
+    def __init__(self, engine: Any, marker: str, delay_s: float) -> None:
+        self._engine, self._marker, self._delay_s = engine, marker, delay_s
+
+    def export_prefix(self, prompt_token_ids: list[int], lora: str | None = None) -> Any:
+        if self._marker in self._engine.tokenizer.decode(prompt_token_ids):
+            logger.warning("injected delay: exporting a prompt with the marker after %.0f s", self._delay_s)
+            time.sleep(self._delay_s)
+        return self._engine.export_prefix(prompt_token_ids, lora)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def inject(engine: Any, fault_marker: str | None = None, stall_marker: str | None = None,
+           slow_export_marker: str | None = None, slow_export_s: float = 5.0) -> Any:
     """The engine wrapped by the injectors whose markers are given (an `engine_wrapper`)."""
     if fault_marker:
         engine = StepFaultInjector(engine, fault_marker)
     if stall_marker:
         engine = StepStallInjector(engine, stall_marker)
+    if slow_export_marker:
+        engine = SlowExport(engine, slow_export_marker, slow_export_s)
     return engine

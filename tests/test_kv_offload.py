@@ -45,6 +45,9 @@ class DictTier:
         self.loads.append((key, block))
         return not self.fail_load
 
+    def publish(self, block: int, key: bytes) -> None:
+        pass
+
 
 def sched(tier: DictTier, num_blocks: int) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, BS, enable_prefix_caching=True, tier=tier), 8, 100)

@@ -29,6 +29,7 @@ SERVICE = REPO / "service"
 TORCH_FREE = [
     "model.engine.sequence",
     "model.engine.block_manager",
+    "model.engine.kv_share_layout",
     "model.engine.scheduler",
     "model.sampling.params",
     "model.sampling.request_checks",

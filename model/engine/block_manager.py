@@ -31,13 +31,26 @@ from model.engine.sequence import Sequence
 
 
 class BlockTier(Protocol):
-    """Where evicted cached blocks go, by hash (model/engine/kv_offload.py's KVOffload)."""
+    """Where evicted cached blocks go, by hash (model/engine/kv_offload.py's KVOffload, and
+    model/engine/kv_share.py's tier shared by the replicas of a node)."""
 
     def save(self, block: int, key: bytes) -> None: ...
 
     def has(self, key: bytes) -> bool: ...
 
     def load(self, key: bytes, block: int) -> bool: ...
+
+    def publish(self, block: int, key: bytes) -> None:
+        """A prompt block just computed: a tier that others read (kv_share) stores it now, not
+        on eviction; the others ignore it."""
+
+
+def sequence_salt(salt: bytes, lora: str | None = None, rope_len: int = 0) -> bytes:
+    """The seed of a sequence's hash chain: the engine's `salt` (its model), its LoRA adapter's name
+    (an adapter changes every K/V, so no prefix crosses adapters) and the length it is rotated as
+    (every K/V of a sequence rotated as a longer one, Sequence.rope_len, differs from its own)."""
+    salt = salt if lora is None else salt + b"|lora:" + lora.encode()
+    return salt + b"|rope:%d" % rope_len if rope_len else salt
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -194,11 +207,8 @@ class BlockManager:
     def hashes(self, seq: Sequence) -> list[bytes]:
         """The hashes of `seq`'s full blocks (computed once, extended as tokens are added)."""
         if len(seq.token_ids) // self.block_size > len(seq.block_hashes):
-            # A LoRA adapter changes every K/V: its name salts the chain, so no prefix crosses adapters.
-            salt = self.salt if seq.lora is None else self.salt + b"|lora:" + seq.lora.encode()
-            # Every K/V of a sequence rotated as a longer one (Sequence.rope_len) differs from its own.
-            salt = salt + b"|rope:%d" % seq.rope_len if seq.rope_len else salt
-            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, salt, seq.block_hashes)
+            seq.block_hashes = block_hashes(seq.token_ids, self.block_size,
+                                            sequence_salt(self.salt, seq.lora, seq.rope_len), seq.block_hashes)
         return seq.block_hashes
 
     def match(self, seq: Sequence) -> list[int]:
@@ -218,6 +228,16 @@ class BlockManager:
         if self.tier is not None:
             found += self._from_tier(hashes[len(found):], set(found))
         return found
+
+    def cached_run(self, hashes: list[bytes]) -> list[int]:
+        """The pool blocks holding the leading run of `hashes` (nothing is taken or revived)."""
+        run = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            run.append(block)
+        return run
 
     def _from_tier(self, hashes: list[bytes], keep: set[int]) -> list[int]:
         """The run of `hashes` from the pool or the tier: the tier's blocks are copied into pool
@@ -281,9 +301,12 @@ class BlockManager:
         if full <= seq.num_committed_blocks:
             return
         hashes = self.hashes(seq)
+        prompt_blocks = seq.num_prompt_tokens // self.block_size
         for i in range(seq.num_committed_blocks, full):
             block, h = seq.block_table[i], hashes[i]
             if block != self.null_block and h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
+                if self.tier is not None and i < prompt_blocks:
+                    self.tier.publish(block, h)
         seq.num_committed_blocks = full

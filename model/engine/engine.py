@@ -14,7 +14,10 @@ import torch
 from model.config import PRESETS, EngineConfig, ModelConfig, RuntimeInfo
 from model.engine.block_manager import BlockManager, blocks_for
 from model.engine.embedder import Embedder
-from model.engine.kv_offload import KVOffload
+from model.engine.kv_offload import KVOffload, PoolBlocks
+from model.engine.kv_share import SharedTier, Tiers
+from model.engine.kv_share_layout import namespace
+from model.engine.kv_transfer import IncomingBlocks, KVBlocks
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
@@ -67,6 +70,14 @@ class EngineStats:
     kv_offload_load_seconds: float = 0.0
     kv_offload_errors: int = 0
     kv_offload_skipped_blocks: int = 0
+    # The tier shared by the engines of a node (model/engine/kv_share.py), this engine's totals.
+    kv_share_saved_blocks: int = 0
+    kv_share_loaded_blocks: int = 0
+    kv_share_bytes_written: int = 0
+    kv_share_bytes_read: int = 0
+    kv_share_load_seconds: float = 0.0
+    kv_share_errors: int = 0
+    kv_share_skipped_blocks: int = 0
 
 
 @dataclass
@@ -147,8 +158,17 @@ class Engine:
         caching = self.config.enable_prefix_caching and self.config.enable_kv_cache
         self.kv_offload = (KVOffload(cache.keys + cache.values, ec.kv_offload_bytes, ec.kv_offload_dir)
                            if ec.kv_offload_bytes and net is not None else None)
+        self.prefix_salt = salt  # the router hashes prompts as this engine does (service/routing/router.py)
+        pool = cache.keys + cache.values if net is not None else []
+        # What this engine's blocks are valid for (model, config, dtype, layout): shared and transferred blocks carry it.
+        self.kv_namespace = namespace(salt, [(tuple(t.shape[1:]), str(t.dtype)) for t in pool])
+        self.kv_share = (SharedTier(pool, ec.kv_share_dir, ec.kv_share_bytes, self.kv_namespace)
+                         if ec.kv_share_dir is not None and net is not None else None)
+        # Blocks a prefill replica computed for requests not yet admitted here (model/engine/kv_transfer.py).
+        self.incoming = IncomingBlocks(PoolBlocks(pool)) if caching and net is not None else None
+        tiers = [t for t in (self.incoming, self.kv_offload, self.kv_share) if t is not None]
         blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt,
-                              tier=self.kv_offload)
+                              tier=tiers[0] if len(tiers) == 1 else Tiers(*tiers) if tiers else None)
         # Rotations that depend on a sequence's length (model/layers/positions.py): dynamic NTK, LongRoPE.
         rope = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.kind in ("dynamic", "longrope") \
             else None
@@ -238,6 +258,27 @@ class Engine:
             self._lora_waiting.append(self._requests[request_id])
             self._admit_lora()
 
+    def export_prefix(self, prompt_token_ids: list[int], lora: str | None = None) -> KVBlocks:
+        """The KV blocks of the prompt's leading full blocks still cached in the pool, for another
+        engine of the same model to decode from (prefill/decode disaggregation). Between steps."""
+        if self.incoming is None:
+            raise ValueError("exporting KV blocks needs prefix caching")
+        blocks = self.scheduler.blocks
+        keys = blocks.hashes(Sequence("export", list(prompt_token_ids), SamplingParams(), lora=lora))
+        run = blocks.cached_run(keys)
+        pool = self.incoming.pool
+        data = torch.cat([pool.copy_out(b) for b in run]) if run else torch.empty(0, dtype=torch.uint8)
+        return KVBlocks(keys[:len(run)], data, pool.block_nbytes, self.kv_namespace)
+
+    def receive_prefix(self, blocks: KVBlocks) -> bool:
+        """Keep blocks another engine exported until the request they are for is admitted: its
+        prefix then runs through them as through cached blocks. False (and nothing kept) when they
+        are not for this engine's model and layout, or this engine has no prefix cache. Between steps."""
+        if self.incoming is None or blocks.namespace != self.kv_namespace:
+            return False
+        self.incoming.add(blocks)
+        return True
+
     def _admit_lora(self) -> None:
         """Hand the requests waiting for an adapter slot to the scheduler, in order, while slots last."""
         while self._lora_waiting:
@@ -286,13 +327,14 @@ class Engine:
             self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the KV offload tier's writer (idempotent)."""
+        """Stop the tensor-parallel workers and the KV tiers' writers (idempotent)."""
         runner = getattr(self, "runner", None)  # absent when __init__ failed early
         if hasattr(runner, "shutdown"):
             runner.shutdown()
-        tier = getattr(self, "kv_offload", None)
-        if tier is not None:
-            tier.close()
+        for name in ("kv_offload", "kv_share"):
+            tier = getattr(self, name, None)
+            if tier is not None:
+                tier.close()
 
     def __del__(self) -> None:
         try:
@@ -315,11 +357,12 @@ class Engine:
                                "lora_adapters_loaded": len(self.lora.slot_of), "lora_adapter_loads": self.lora.num_loads,
                                "lora_adapter_evictions": self.lora.num_evictions,
                                "lora_resident": tuple(self.lora.slot_of)}),
-                           **({} if self.kv_offload is None else self._offload_stats()))
+                           **self._tier_stats())
 
-    def _offload_stats(self) -> dict[str, int | float]:
-        """The tier's OffloadStats as EngineStats' kv_offload_* fields (the same names, prefixed)."""
-        return {f"kv_offload_{name}": value for name, value in asdict(self.kv_offload.stats).items()}
+    def _tier_stats(self) -> dict[str, int | float]:
+        """The tiers' OffloadStats as EngineStats' kv_offload_* and kv_share_* fields (the same names, prefixed)."""
+        return {f"{prefix}_{name}": value for prefix, tier in (("kv_offload", self.kv_offload), ("kv_share", self.kv_share))
+                if tier is not None for name, value in asdict(tier.stats).items()}
 
     # ---- the step -------------------------------------------------------------------
 

@@ -102,13 +102,34 @@ class DiskStore:
             self.fd = -1
 
 
+class PoolBlocks:
+    """One pool block as bytes: every layer's K and V of it (`tensors`: the pools; dim 0 is the
+    block), copied out to the host and back in."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.device = tensors[0].device
+        self.block_nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def copy_out(self, block: int) -> torch.Tensor:
+        parts = [t[block].reshape(-1).view(torch.uint8) for t in self.tensors]  # each (block bytes,)
+        return torch.cat(parts).to("cpu")
+
+    def copy_in(self, block: int, data: torch.Tensor) -> None:
+        data = data.to(self.device)  # synchronous: the buffer may be written again after this
+        offset = 0
+        for t in self.tensors:
+            n = t[0].numel() * t.element_size()
+            t[block].view(-1).view(torch.uint8).copy_(data[offset:offset + n])
+            offset += n
+
+
 class KVOffload:
     """The tier over the pool `tensors` (every layer's K and V pools; dim 0 is the block)."""
 
     def __init__(self, tensors: list[torch.Tensor], capacity_bytes: int, directory: str | None = None) -> None:
-        self.tensors = tensors
-        self.device = tensors[0].device
-        self.block_nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        self.pool = PoolBlocks(tensors)
+        self.block_nbytes = self.pool.block_nbytes
         self.num_slots = capacity_bytes // self.block_nbytes
         if self.num_slots < 1:
             raise ValueError(f"kv_offload_bytes={capacity_bytes} is smaller than one KV block "
@@ -141,13 +162,16 @@ class KVOffload:
             slot = self._free.pop() if self._free else self._evict_oldest()
             self._index[key] = slot
             self._crc[slot] = None
-            data = self._copy_out(block)
+            data = self.pool.copy_out(block)
             self._staged[key] = data
         self._queue.put((key, slot, data))
 
     def has(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index
+
+    def publish(self, block: int, key: bytes) -> None:
+        """A prompt block just computed: kept in the pool; this tier takes it when it is evicted."""
 
     def load(self, key: bytes, block: int) -> bool:
         """Copy the block stored under `key` into pool block `block`; False when it is not there
@@ -169,7 +193,7 @@ class KVOffload:
                                "recomputed", slot, exc)
                 self._drop(key, slot)
                 return False
-        self._copy_in(block, data)
+        self.pool.copy_in(block, data)
         self.stats.loaded_blocks += 1
         self.stats.bytes_read += self.block_nbytes
         self.stats.load_seconds += time.perf_counter() - t0
@@ -192,18 +216,6 @@ class KVOffload:
         key, slot = self._index.popitem(last=False)
         self._staged.pop(key, None)
         return slot
-
-    def _copy_out(self, block: int) -> torch.Tensor:
-        parts = [t[block].reshape(-1).view(torch.uint8) for t in self.tensors]  # each (block bytes,)
-        return torch.cat(parts).to("cpu")
-
-    def _copy_in(self, block: int, data: torch.Tensor) -> None:
-        data = data.to(self.device)  # synchronous: the slot's buffer may be written again after this
-        offset = 0
-        for t in self.tensors:
-            n = t[0].numel() * t.element_size()
-            t[block].view(-1).view(torch.uint8).copy_(data[offset:offset + n])
-            offset += n
 
     def _drop(self, key: bytes, slot: int) -> None:
         with self._lock:

@@ -54,6 +54,26 @@ class MetricSpec:
         return metric
 
 
+# The KV tiers' totals (EngineStats' kv_<tier>_* fields, model/engine/kv_offload.py's OffloadStats):
+# (field, attribute suffix, help with `{tier}`).
+TIER_COUNTERS = (
+    ("saved_blocks", "saved", "KV blocks written to {tier}."),
+    ("loaded_blocks", "loaded", "KV blocks copied back from {tier} instead of recomputed (tier hits)."),
+    ("bytes_written", "written", "Bytes written to {tier}."),
+    ("bytes_read", "read", "Bytes read back from {tier}."),
+    ("load_seconds", "load_time", "Time the engine spent copying blocks back from {tier}."),
+    ("errors", "errors", "Blocks of {tier} dropped: a write that failed (a full disk) or a read that did not "
+                         "match its checksum; their tokens are recomputed."),
+    ("skipped_blocks", "skipped", "KV blocks not written to {tier}: its writer was too far behind."),
+)
+
+
+def tier_metrics(short: str, tier: str) -> tuple[MetricSpec, ...]:
+    """`qkv_kv_<short>_<field>_total` counters of one KV tier, registered as `<short>_<suffix>`."""
+    return tuple(MetricSpec(f"{short}_{suffix}", f"qkv_kv_{short}_{field}_total", "counter", text.format(tier=tier))
+                 for field, suffix, text in TIER_COUNTERS)
+
+
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("ttft", "qkv_time_to_first_token_seconds", "histogram",
                "Time from arrival to the first generated token.", buckets=_LATENCY_BUCKETS),
@@ -73,19 +93,19 @@ METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens looked up in the prefix cache."),
     MetricSpec("prefix_hits", "qkv_prefix_cache_hits_total", "counter",
                "Prompt tokens found in the prefix cache (their K/V not recomputed)."),
-    MetricSpec("offload_saved", "qkv_kv_offload_saved_blocks_total", "counter",
-               "KV blocks evicted from the pool and written to the prefix cache's offload tier."),
-    MetricSpec("offload_loaded", "qkv_kv_offload_loaded_blocks_total", "counter",
-               "KV blocks copied back from the offload tier instead of recomputed (tier hits)."),
-    MetricSpec("offload_written", "qkv_kv_offload_bytes_written_total", "counter", "Bytes written to the offload tier."),
-    MetricSpec("offload_read", "qkv_kv_offload_bytes_read_total", "counter", "Bytes read back from the offload tier."),
-    MetricSpec("offload_load_time", "qkv_kv_offload_load_seconds_total", "counter",
-               "Time the engine spent copying blocks back from the offload tier."),
-    MetricSpec("offload_errors", "qkv_kv_offload_errors_total", "counter",
-               "Offload-tier blocks dropped: a write that failed (a full disk) or a read that did not match its "
-               "checksum; their tokens are recomputed."),
-    MetricSpec("offload_skipped", "qkv_kv_offload_skipped_blocks_total", "counter",
-               "KV blocks evicted from the pool but not saved: the offload tier's writer was too far behind."),
+    *tier_metrics("offload", "the offload tier"),
+    *tier_metrics("share", "the shared tier (kv_share_dir)"),
+    MetricSpec("transfers", "qkv_kv_transfers_total", "counter",
+               "Prompts a decode replica asked the prefill deployment for, by outcome: received (blocks taken), "
+               "refused (blocks of another model or layout), failed (the prefill replica failed or timed out: "
+               "prefilled here).", ("outcome",)),
+    MetricSpec("transfer_bytes", "qkv_kv_transfer_bytes_total", "counter",
+               "Bytes of KV blocks received from the prefill deployment."),
+    MetricSpec("transfer_fetch_time", "qkv_kv_transfer_fetch_seconds_total", "counter",
+               "Time spent moving KV blocks from the prefill deployment (the connector's receive)."),
+    MetricSpec("transfer_time", "qkv_kv_transfer_seconds", "histogram",
+               "From a decode replica's call to the prefill deployment until the blocks are in its engine "
+               "(the remote prefill and the transfer).", buckets=_LATENCY_BUCKETS),
     MetricSpec("spec_drafts", "qkv_spec_decode_num_draft_tokens_total", "counter",
                "Speculative tokens proposed and verified."),
     MetricSpec("spec_accepted", "qkv_spec_decode_num_accepted_tokens_total", "counter",
@@ -198,10 +218,8 @@ class EngineMetrics:
         return (("num_preemptions_total", self.preemptions),
                 ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
                 ("lora_adapter_loads", self.lora_loads), ("lora_adapter_evictions", self.lora_evictions),
-                ("kv_offload_saved_blocks", self.offload_saved), ("kv_offload_loaded_blocks", self.offload_loaded),
-                ("kv_offload_bytes_written", self.offload_written), ("kv_offload_bytes_read", self.offload_read),
-                ("kv_offload_load_seconds", self.offload_load_time), ("kv_offload_errors", self.offload_errors),
-                ("kv_offload_skipped_blocks", self.offload_skipped))
+                *((f"kv_{short}_{field}", getattr(self, f"{short}_{suffix}"))
+                  for short in ("offload", "share") for field, suffix, _ in TIER_COUNTERS))
 
     def _refresh_spec(self, stats: object) -> None:
         """Speculative decoding: the two token counters, and the acceptance rate per position."""

@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from ray import serve
 
 from model.config import EngineConfig
 from model.engine.sequence import RequestOutput
+from model.sampling.params import SamplingParams
 from service.engine.engine_loop import EngineFailure, EngineLoop, SubRequest, TorchThread, _Sink
 from service.engine.metrics import EngineMetrics
 from service.engine.model_info import ModelInfo
@@ -45,6 +47,7 @@ from service.http.api import API_KEY_ENV, IngressSettings, build_api, model_card
 from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
+from service.replica.kv_connector import KVTransfer, RayObjectStoreConnector, RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,8 @@ class EngineStream:
                 await asyncio.to_thread(host.engine.structured.prepare, [r.params for r in self._requests])
             except ValueError as exc:
                 return EngineFailure(400, str(exc))
+        if host.prefill is not None:  # prefill/decode disaggregation: the prompt's blocks from the prefill deployment
+            await host.prefill.fetch(self._requests)
         self._sink = host.loop.submit(self._requests)
         host.waiting.add(self._sink)
         return None
@@ -160,6 +165,7 @@ class EngineHost:
         self.metrics = metrics if metrics is not None else EngineMetrics(served_model_name)
         self.loop = EngineLoop(engine, torch_thread)
         self.loop.start()
+        self.prefill: Any = None  # a decode replica's RemotePrefill (service/replica/kv_connector.py)
         self.waiting: set[_Sink] = set()  # the sinks of the streams in flight
         self._engine_problem: str | None = None  # what the engine's own check last found (a dead worker)
         event_loop = asyncio.get_running_loop()
@@ -264,7 +270,13 @@ class EngineReplica:
         revision: str | None = None,
         stall_timeout_s: float = 60.0,
         stream_interval_ms: float = 0.0,
+        prefill: Any = None,
+        prefill_min_tokens: int = 64,
+        prefill_timeout_s: float = 60.0,
     ) -> None:
+        """`prefill`: a handle to the `Prefill` deployment (prefill/decode disaggregation): prompts
+        of at least `prefill_min_tokens` tokens are prefilled there, each call given up (and the
+        prompt prefilled here) after `prefill_timeout_s`."""
         from model.engine.engine import Engine  # heavy import; keeps this module importable without it
 
         if torch_threads:
@@ -281,6 +293,9 @@ class EngineReplica:
             engine = engine_wrapper(engine)
         self._host = EngineHost(engine, served_model_name, stall_timeout_s, stream_interval_s=stream_interval_ms / 1000,
                                 torch_thread=torch_thread)
+        if prefill is not None:
+            self._host.prefill = RemotePrefill(prefill, self._host, prefill_min_tokens, prefill_timeout_s)
+        self._connector = RayObjectStoreConnector()  # a prefill replica's side of a transfer
         # The key may be set only where the replicas run (a cluster's environment).
         settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}
         self._settings = IngressSettings(**settings)
@@ -319,6 +334,24 @@ class EngineReplica:
         async for item in run_asgi(self._edge(), request):
             yield item
 
+    async def prefill(self, prompt_token_ids: list[int], lora: str | None = None) -> KVTransfer:
+        """Prefill/decode disaggregation, the prefill side: compute the prompt (one token, greedy)
+        and hand its cached blocks to the connector for a decode replica to fetch. A caller that
+        goes away aborts the prompt (Serve cancels this call), freeing its blocks."""
+        request = SubRequest(f"prefill-{uuid.uuid4().hex}", list(prompt_token_ids),
+                             SamplingParams(max_tokens=1, temperature=0.0), lora)
+        stream = self._host.generate([request])
+        try:
+            async for item in stream:
+                if isinstance(item, EngineFailure):
+                    raise RuntimeError(f"prefill failed ({item.status}): {item.message}")
+        finally:
+            stream.cancel()
+        engine = self._host.engine
+        blocks = await self._host.loop.run_between_steps(functools.partial(engine.export_prefix, request.prompt_token_ids,
+                                                                           lora))
+        return self._connector.send(blocks)
+
     def model_info(self, route: Any = None) -> ModelInfo:
         """The served model's facts; `route` (a `ToModel`) is what the request router picks a
         replica of a multi-model deployment by."""
@@ -329,8 +362,13 @@ class EngineReplica:
         return model_cards(self._serving, self._created)
 
     def record_replica_metadata(self) -> dict[str, Any]:
-        """Read by Serve once the replica is ready and shown to request routers: the model it serves."""
-        return {"model": self._host.served_model_name}
+        """Read by Serve once the replica is ready and shown to request routers: the model it serves,
+        and where its shared KV tier keeps blocks with the salt of their hashes (the router looks
+        there for what any replica can load)."""
+        engine = self._host.engine
+        share = getattr(engine, "kv_share", None)
+        return {"model": self._host.served_model_name,
+                **({} if share is None else {"kv_share": {"dir": share.directory, "salt": engine.prefix_salt.hex()}})}
 
     def healthy(self) -> bool:
         """False once the step loop has died or has made no progress for `stall_timeout_s`;
@@ -377,3 +415,6 @@ EngineDeployment = serve.deployment(name="EngineDeployment", **DEPLOYMENT_DEFAUL
 # One model of a multi-model app (service/multi_model.py): Serve takes one ASGI ingress per app, the
 # front, which reaches this replica's edge through `forward`.
 EngineBackend = serve.deployment(name="EngineBackend", **DEPLOYMENT_DEFAULTS)(EngineReplica)
+# Prefill/decode disaggregation: the replicas that prefill prompts for the engine replicas
+# (`EngineDeployment`) that decode them, called through `prefill` only.
+PrefillDeployment = serve.deployment(name="Prefill", **DEPLOYMENT_DEFAULTS)(EngineReplica)

@@ -27,6 +27,14 @@ which in its `record_replica_metadata` (`{"model": served name}`); a call whose 
 names a `model` is routed among that model's replicas only, by the same policy. The prefix chain
 is salted by the model too, so two models never share an owner map entry.
 
+The shared KV tier (`kv_share_dir`, model/engine/kv_share.py): the replicas of a node publish the
+prompt blocks they compute to a shared directory, and say where in `record_replica_metadata`
+(`{"kv_share": {"dir", "salt"}}`). The router looks there for the request's leading blocks (one
+stat per block, hashed as the engines hash them): what the tier holds, every replica loads instead
+of recomputing, so leaving the holder costs only what it holds beyond the tier, and the holder is
+kept only within `tier_imbalance_threshold` more requests than the least busy replica. The router
+must run on the replicas' node to see the files (elsewhere it sees none and routes as without).
+
 What it knows is what it routed, not what the engines still hold: an engine may have evicted a
 block since, and several router replicas each learn on their own. Both only cost hit rate (and an
 adapter load), never correctness.
@@ -42,7 +50,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from model.engine.block_manager import block_hashes
+from model.engine.block_manager import block_hashes, sequence_salt
+from model.engine.kv_share_layout import leading_files
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +118,22 @@ class PrefixAwareRouter(RequestRouter):
     adapter to a replica holding it; balances by load otherwise."""
 
     def initialize_state(self, block_size: int = 16, imbalance_threshold: int = 8, min_match_rate: float = 0.1,
-                         max_blocks: int = 200_000, max_adapters: int = 10_000, route_by_prefix: bool = True,
-                         model_block_sizes: dict[str, int] | None = None, **_: Any) -> None:
+                            max_blocks: int = 200_000, max_adapters: int = 10_000, route_by_prefix: bool = True,
+                         model_block_sizes: dict[str, int] | None = None, tier_imbalance_threshold: int = 1,
+                         **_: Any) -> None:
         """`request_router_kwargs`: the engine's `block_size`; how many more requests in flight the
         prefix's (or adapter's) replica may have than the least busy one; the least fraction of the
         prompt that must match; how many block hashes and adapters to remember (least recently
         routed forgotten first); `route_by_prefix` False (engines without a prefix cache): by
         adapter and load only; `model_block_sizes`: a multi-model deployment's block size per served
-        model, where it differs from `block_size`."""
+        model, where it differs from `block_size`; `tier_imbalance_threshold`: the holder's allowance
+        when the shared KV tier holds all it holds (leaving it then costs a load, not a prefill)."""
         self._route_by_prefix = route_by_prefix
         self._block_size = block_size
         self._model_block_sizes = dict(model_block_sizes or {})
         self._imbalance = imbalance_threshold
+        self._tier_imbalance = tier_imbalance_threshold
+        self.tier_blocks_seen = 0  # leading blocks of routed prompts found in the shared tier (tests, debugging)
         self._min_match_rate = min_match_rate
         self._max_blocks = max_blocks
         self._max_adapters = max_adapters
@@ -136,6 +149,20 @@ class PrefixAwareRouter(RequestRouter):
 
     def _block_size_of(self, route: _Route) -> int:
         return self._model_block_sizes.get(route.model, self._block_size) if route.model else self._block_size
+
+    def _tier_run(self, route: _Route, candidates: list[RunningReplica]) -> int:
+        """How many of the prompt's leading blocks the candidates' shared KV tier holds (0: none, or
+        no tier). Hashed as the engines hash them: their salt, then the adapter's."""
+        share = next((meta["kv_share"] for r in candidates
+                      if "kv_share" in (meta := getattr(r, "replica_metadata", None) or {})), None)
+        if share is None or not route.prompt or not self._route_by_prefix:
+            return 0
+        size = self._block_size_of(route)
+        keys = block_hashes(route.prompt, size, sequence_salt(bytes.fromhex(share["salt"]), route.lora),
+                            limit=(len(route.prompt) - 1) // size)  # the engine computes the last token
+        run = leading_files(share["dir"], keys)
+        self.tier_blocks_seen += run
+        return run
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)
@@ -182,8 +209,11 @@ class PrefixAwareRouter(RequestRouter):
         ranks: list[list[RunningReplica]] | None = None
         if hashes:
             holder, run = self._holder(hashes, {r.replica_id: r for r in candidate_replicas})
+            # Leaving the holder recomputes what it holds beyond the shared tier, or only loads it.
+            allowance = self._imbalance if holder is None or run > self._tier_run(route, candidate_replicas) \
+                else self._tier_imbalance
             if holder is not None and run * self._block_size_of(route) >= self._min_match_rate * len(route.prompt or ()) \
-                    and self._load(holder) - least <= self._imbalance:
+                    and self._load(holder) - least <= allowance:
                 # The holder first; if it cannot take the request, the others by load.
                 ranks = [[holder], [r for r in candidate_replicas if r is not holder]]
         if ranks is None and route.lora is not None:
