@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -171,3 +172,15 @@ def scrape(metrics_url: str) -> list[tuple[str, dict[str, str], float]]:
 def metric_sum(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
     """Sum of the samples called `name` whose labels include `labels`."""
     return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def engine_replica_ports() -> list[int]:
+    """The HTTP ports of the app's engine replicas, as HAProxy's configuration on this node lists
+    them ([] before HAProxy has one)."""
+    import ray
+
+    config = Path(f"/tmp/haproxy-serve/{ray.get_runtime_context().get_node_id()}/haproxy.cfg")
+    if not config.exists():
+        return []
+    backend = config.read_text().split("backend http-qkv\n", 1)[-1].split("\nbackend ", 1)[0]
+    return [int(port) for port in re.findall(r"server SERVE_REPLICA_qkv-EngineDeployment-\S+ [\d.]+:(\d+)", backend)]

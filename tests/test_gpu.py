@@ -175,3 +175,37 @@ def test_kv_offload_tier_gives_the_same_tokens(device, checkpoints, where, tmp_p
     got, stats = run(kv_offload_bytes=32 << 20, kv_offload_dir=str(tmp_path) if where == "disk" else None)
     assert got == want
     assert stats.kv_offload_loaded_blocks >= 4 * 5 - 5 and stats.kv_offload_errors == 0
+
+
+def _two_asks() -> tuple[list[list[int]], SamplingParams]:
+    g = torch.Generator().manual_seed(11)
+    systems = [torch.randint(1, 301, (80,), generator=g).tolist() for _ in range(4)]
+    return ([s + torch.randint(1, 301, (5,), generator=g).tolist() for _ in range(2) for s in systems],
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+
+
+def test_shared_tier_and_transferred_blocks_give_the_same_tokens(device, checkpoints, tmp_path) -> None:
+    """The tier the replicas of a node share (kv_share_dir) and prefill/decode transfers, on the
+    device, decode graphs on: a second engine loads the blocks the first wrote; a decode engine
+    decodes from blocks another engine exported; tokens equal those without prefix caching."""
+    prompts, greedy = _two_asks()
+
+    def llm(**fields) -> LLM:
+        return LLM(checkpoints["llama"], device=device, dtype="float32",
+                   engine_config=EngineConfig(block_size=BLOCK, num_kv_blocks=8, **fields))
+
+    plain = llm(enable_prefix_caching=False)
+    want = [plain.generate([p], greedy)[0].token_ids for p in prompts]
+    writer, reader = (llm(kv_share_dir=str(tmp_path), kv_share_bytes=32 << 20) for _ in range(2))
+    for p in prompts[:4]:
+        writer.generate([p], greedy)
+    writer.engine.kv_share.flush()
+    assert [reader.generate([p], greedy)[0].token_ids for p in prompts] == want
+    assert reader.engine.stats().kv_share_loaded_blocks >= 4 * 5 and reader.engine.stats().kv_share_errors == 0
+    prefill, decode = llm(), llm()
+    got = []
+    for p in prompts:
+        prefill.generate([p], SamplingParams(max_tokens=1, temperature=0.0))
+        assert decode.engine.receive_prefix(prefill.engine.export_prefix(p))
+        got.append(decode.generate([p], greedy)[0].token_ids)
+    assert got == want and decode.engine.incoming.loaded_blocks >= 4 * 5

@@ -5,31 +5,18 @@ on its own HTTP port (the ports HAProxy forwards to)."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from serve_fixtures import scrape, serve_on_local_ray, wait_until, write_tiny_model
+from serve_fixtures import engine_replica_ports, scrape, serve_on_local_ray, wait_until, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
 HTTP_PORT, DASHBOARD_PORT, METRICS_PORT = 18540, 18541, 18542
 METRICS_URL = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 PROMPT = "A long shared system prompt that one replica computes and the other loads. " * 2
-
-
-def engine_replica_ports() -> list[int]:
-    """The HTTP ports of the app's engine replicas, as HAProxy's configuration on this node lists them."""
-    import ray
-
-    config = Path(f"/tmp/haproxy-serve/{ray.get_runtime_context().get_node_id()}/haproxy.cfg")
-    if not config.exists():
-        return []
-    backend = config.read_text().split("backend http-qkv\n", 1)[1].split("\nbackend ", 1)[0]
-    return [int(port) for port in re.findall(r"server SERVE_REPLICA_qkv-EngineDeployment-\S+ [\d.]+:(\d+)", backend)]
 
 
 @pytest.fixture(scope="module")

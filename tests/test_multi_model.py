@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ import torch
 
 from local_serve import write_tiny_checkpoint
 from service.replica.engine_deployment import GAUGE_REFRESH_S
-from serve_fixtures import METRICS_INTERVAL_MS, scrape, wait_until
+from serve_fixtures import METRICS_INTERVAL_MS, engine_replica_ports, scrape, wait_until
 from tiny_models import build_tiny_llama, torch_threads, write_tiny_llama
 
 HTTP_PORT, METRICS_PORT = 19110, 19111
@@ -482,15 +481,6 @@ def replicas_by_model() -> dict[str, str]:
             if a["name"].startswith("SERVE_REPLICA::qkv#EngineDeployment#")}
     return {lab["model_name"]: lab["replica"] for n, lab, _ in scrape(METRICS_URL)
             if n == "ray_qkv_num_requests_running" and lab.get("replica") in live}
-
-
-def engine_replica_ports() -> list[int]:
-    """The HTTP ports of the app's engine replicas, as HAProxy's configuration on this node lists them."""
-    import ray
-
-    config = Path(f"/tmp/haproxy-serve/{ray.get_runtime_context().get_node_id()}/haproxy.cfg").read_text()
-    backend = config.split("backend http-qkv\n", 1)[1].split("\nbackend ", 1)[0]
-    return [int(port) for port in re.findall(r"server SERVE_REPLICA_qkv-EngineDeployment-\S+ [\d.]+:(\d+)", backend)]
 
 
 def _try_complete(url: str, model: str) -> dict[str, Any] | None:

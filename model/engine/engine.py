@@ -267,8 +267,7 @@ class Engine:
         keys = blocks.hashes(Sequence("export", list(prompt_token_ids), SamplingParams(), lora=lora))
         run = blocks.cached_run(keys)
         pool = self.incoming.pool
-        data = torch.cat([pool.copy_out(b) for b in run]) if run else torch.empty(0, dtype=torch.uint8)
-        return KVBlocks(keys[:len(run)], data, pool.block_nbytes, self.kv_namespace)
+        return KVBlocks(keys[:len(run)], pool.copy_out_many(run), pool.block_nbytes, self.kv_namespace)
 
     def receive_prefix(self, blocks: KVBlocks) -> bool:
         """Keep blocks another engine exported until the request they are for is admitted: its

@@ -115,6 +115,20 @@ class PoolBlocks:
         parts = [t[block].reshape(-1).view(torch.uint8) for t in self.tensors]  # each (block bytes,)
         return torch.cat(parts).to("cpu")
 
+    def copy_out_many(self, blocks: list[int]) -> torch.Tensor:
+        """`copy_out` of each of `blocks`, one after the other in one host tensor: one gather per
+        pool tensor instead of one copy per block and tensor."""
+        out = torch.empty(len(blocks), self.block_nbytes, dtype=torch.uint8)
+        if not blocks:
+            return out.view(-1)
+        index = torch.tensor(blocks, device=self.device)
+        offset = 0
+        for t in self.tensors:
+            part = t.index_select(0, index).view(len(blocks), -1).view(torch.uint8)
+            out[:, offset:offset + part.shape[1]].copy_(part)
+            offset += part.shape[1]
+        return out.view(-1)
+
     def copy_in(self, block: int, data: torch.Tensor) -> None:
         data = data.to(self.device)  # synchronous: the buffer may be written again after this
         offset = 0

@@ -17,6 +17,7 @@ serving.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -51,7 +52,8 @@ class IncomingBlocks:
         self._transfers: OrderedDict[int, dict[bytes, torch.Tensor]] = OrderedDict()
         self._where: dict[bytes, int] = {}  # key -> the transfer that holds it
         self._next = 0
-        self.loaded_blocks = 0
+        self.loaded_blocks = 0  # copied into the pool, since start
+        self.load_seconds = 0.0
 
     def add(self, blocks: KVBlocks) -> None:
         if blocks.block_nbytes != self.pool.block_nbytes:
@@ -82,11 +84,13 @@ class IncomingBlocks:
         index = self._where.pop(key, None)
         if index is None:
             return False
+        t0 = time.perf_counter()
         data = self._transfers[index].pop(key)
         if not self._transfers[index]:
             del self._transfers[index]
         self.pool.copy_in(block, data)
         self.loaded_blocks += 1
+        self.load_seconds += time.perf_counter() - t0
         return True
 
     @property
