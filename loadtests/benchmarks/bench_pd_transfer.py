@@ -15,6 +15,11 @@ nominal rates, beside its prefill time on one H200 at a stated share of the GPU'
 
     .venv/bin/python loadtests/benchmarks/bench_pd_transfer.py [--rounds 3] [--prompts 6] \
         [--prompt-tokens 1000] [--out docs/results/bench_pd_transfer.json]
+
+`--pool-copy --device cuda`: only the engine's two copies of a transfer on a GPU (no Ray), for a
+pool of the 8B shape above: the export (pool -> one host tensor, `PoolBlocks.copy_out_many`) and
+the copy into the pool (`IncomingBlocks.add`, then `load` block by block as at admission), for
+1,000 tokens.
 """
 
 from __future__ import annotations
@@ -90,6 +95,49 @@ def paper() -> tuple[list[str], list[list[str]]]:
     return columns, rows
 
 
+def pool_copy(args: argparse.Namespace) -> None:
+    """The export and copy-in of 1,000 tokens of KV in an 8B-shaped pool on `args.device`."""
+    import torch
+
+    from model.engine.kv_offload import PoolBlocks
+    from model.engine.kv_transfer import IncomingBlocks, KVBlocks
+
+    block, blocks = 16, -(-1000 // 16)
+    dtype = torch.bfloat16
+    tensors = [torch.randn(4 * blocks, block, 8, 128, dtype=dtype, device=args.device) for _ in range(32 * 2)]
+    pool = PoolBlocks(tensors)
+    run = list(range(blocks, 2 * blocks))
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    times: dict[str, list[float]] = {"export": [], "copy in": []}
+    for i in range(args.rounds * args.prompts + 1):
+        sync()
+        t0 = time.perf_counter()
+        data = pool.copy_out_many(run)
+        sync()
+        t1 = time.perf_counter()
+        incoming = IncomingBlocks(pool)  # as the decode engine takes them: kept, then copied in at admission
+        keys = [b"%d" % j for j in range(blocks)]
+        incoming.add(KVBlocks(keys, data, pool.block_nbytes, "bench"))
+        for key, b in zip(keys, range(2 * blocks, 3 * blocks)):
+            assert incoming.load(key, b)
+        sync()
+        t2 = time.perf_counter()
+        if i:  # the first is the warm-up
+            times["export"].append(t1 - t0)
+            times["copy in"].append(t2 - t1)
+    assert torch.equal(tensors[5][2 * blocks:3 * blocks], tensors[5][blocks:2 * blocks])
+    p50 = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    mb = blocks * pool.block_nbytes / 1e6
+    columns = ["device", "KV of 1k tokens, 8B bf16 (MB)", "export (ms)", "copy in (ms)", "export GB/s", "copy in GB/s"]
+    rows = [[args.device, f"{mb:.0f}", f"{p50['export']:.1f}", f"{p50['copy in']:.1f}",
+             f"{mb / p50['export']:.1f}", f"{mb / p50['copy in']:.1f}"]]
+    print_table(columns, rows)
+    if args.out:
+        write_result(args.out, "bench_pd_transfer_pool_copy", columns, rows, note=args.note, raw=times,
+                     device=args.device, title="The engine's copies of a transfer of 1,000 tokens of an 8B-shaped "
+                                               "KV pool (bf16): export to the host, copy back in (ms, medians)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2-small-random")
@@ -97,8 +145,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help="requests of each kind per round")
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each engine")
+    ap.add_argument("--pool-copy", action="store_true", help="only the engine's copies, 8B-shaped, on --device")
+    ap.add_argument("--device", default="cpu")
     add_result_args(ap, None)
     args = ap.parse_args()
+    if args.pool_copy:
+        pool_copy(args)
+        return
 
     import ray
     import torch

@@ -109,7 +109,8 @@ class PoolBlocks:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
         self.device = tensors[0].device
-        self.block_nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        self._sizes = [t[0].numel() * t.element_size() for t in tensors]
+        self.block_nbytes = sum(self._sizes)
 
     def copy_out(self, block: int) -> torch.Tensor:
         parts = [t[block].reshape(-1).view(torch.uint8) for t in self.tensors]  # each (block bytes,)
@@ -117,25 +118,27 @@ class PoolBlocks:
 
     def copy_out_many(self, blocks: list[int]) -> torch.Tensor:
         """`copy_out` of each of `blocks`, one after the other in one host tensor: one gather per
-        pool tensor instead of one copy per block and tensor."""
-        out = torch.empty(len(blocks), self.block_nbytes, dtype=torch.uint8)
-        if not blocks:
+        pool tensor (on the pool's device) instead of one copy per block and tensor, and on a GPU
+        one copy to the host, into pinned memory."""
+        n = len(blocks)
+        out = torch.empty(n, self.block_nbytes, dtype=torch.uint8, device=self.device)
+        if n:
+            index = torch.tensor(blocks, device=self.device)
+            offset = 0
+            for t in self.tensors:
+                part = t.index_select(0, index).view(n, -1).view(torch.uint8)
+                out[:, offset:offset + part.shape[1]].copy_(part)
+                offset += part.shape[1]
+        if self.device.type == "cpu":
             return out.view(-1)
-        index = torch.tensor(blocks, device=self.device)
-        offset = 0
-        for t in self.tensors:
-            part = t.index_select(0, index).view(len(blocks), -1).view(torch.uint8)
-            out[:, offset:offset + part.shape[1]].copy_(part)
-            offset += part.shape[1]
-        return out.view(-1)
+        host = torch.empty(n * self.block_nbytes, dtype=torch.uint8, pin_memory=True)
+        return host.copy_(out.view(-1))
 
     def copy_in(self, block: int, data: torch.Tensor) -> None:
         data = data.to(self.device)  # synchronous: the buffer may be written again after this
-        offset = 0
-        for t in self.tensors:
-            n = t[0].numel() * t.element_size()
-            t[block].view(-1).view(torch.uint8).copy_(data[offset:offset + n])
-            offset += n
+        # One multi-tensor copy (a kernel or two on a GPU, not one per layer's K and V).
+        torch._foreach_copy_([t[block].view(-1).view(torch.uint8) for t in self.tensors],
+                             list(torch.split(data, self._sizes)))
 
 
 class KVOffload:
