@@ -141,26 +141,56 @@ class PoolBlocks:
                              list(torch.split(data, self._sizes)))
 
 
-class KVOffload:
+class WriterTier:
+    """What the offload tiers share: the pool's blocks as bytes, their totals, and a writer thread
+    fed by a queue, so the step never waits on a write. A subclass defines `_write_loop` and starts
+    `_writer` once it is set up."""
+
+    def __init__(self, tensors: list[torch.Tensor], writer_name: str) -> None:
+        self.pool = PoolBlocks(tensors)
+        self.block_nbytes = self.pool.block_nbytes
+        self.stats = OffloadStats()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name=writer_name, daemon=True)
+
+    def _write_loop(self) -> None:
+        raise NotImplementedError
+
+    def _loaded(self, block: int, data: torch.Tensor, t0: float) -> bool:
+        """Copy `data` into pool block `block` and count the hit that began at `t0`."""
+        self.pool.copy_in(block, data)
+        self.stats.loaded_blocks += 1
+        self.stats.bytes_read += self.block_nbytes
+        self.stats.load_seconds += time.perf_counter() - t0
+        return True
+
+    def close(self) -> None:
+        """Stop the writer (after what it holds)."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=30)
+
+    def flush(self) -> None:
+        """Wait until every block handed to the writer is written (tests, benchmarks, shutdown)."""
+        self._queue.join()
+
+
+class KVOffload(WriterTier):
     """The tier over the pool `tensors` (every layer's K and V pools; dim 0 is the block)."""
 
     def __init__(self, tensors: list[torch.Tensor], capacity_bytes: int, directory: str | None = None) -> None:
-        self.pool = PoolBlocks(tensors)
-        self.block_nbytes = self.pool.block_nbytes
+        super().__init__(tensors, "kv-offload-writer")
         self.num_slots = capacity_bytes // self.block_nbytes
         if self.num_slots < 1:
             raise ValueError(f"kv_offload_bytes={capacity_bytes} is smaller than one KV block "
                              f"({self.block_nbytes} bytes)")
         self.store = (DiskStore(directory, self.block_nbytes) if directory is not None else
                       HostStore(self.num_slots))
-        self.stats = OffloadStats()
-        self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._crc: list[int | None] = [None] * self.num_slots
         self._staged: dict[bytes, torch.Tensor] = {}  # saved, not yet written
-        self._queue: queue.Queue[tuple[bytes, int, torch.Tensor] | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
         self._writer.start()
         logger.info("KV offload tier: %d blocks of %d bytes in %s", self.num_slots, self.block_nbytes,
                     f"a file under {directory}" if directory is not None else "host memory")
@@ -210,22 +240,12 @@ class KVOffload:
                                "recomputed", slot, exc)
                 self._drop(key, slot)
                 return False
-        self.pool.copy_in(block, data)
-        self.stats.loaded_blocks += 1
-        self.stats.bytes_read += self.block_nbytes
-        self.stats.load_seconds += time.perf_counter() - t0
-        return True
+        return self._loaded(block, data, t0)
 
     def close(self) -> None:
         """Stop the writer (after what it holds) and release the store."""
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join(timeout=30)
+        super().close()
         self.store.close()
-
-    def flush(self) -> None:
-        """Wait until every saved block is written (tests, shutdown)."""
-        self._queue.join()
 
     # ---- internals ----------------------------------------------------------------
 

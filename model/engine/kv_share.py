@@ -28,27 +28,24 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 import zlib
 
 import torch
 
-from model.engine.kv_offload import MAX_PENDING, OffloadStats, PoolBlocks
+from model.engine.kv_offload import MAX_PENDING, WriterTier
 from model.engine.kv_share_layout import HEADER, MAGIC, block_file
 
 TRIM_TO = 0.9  # a scan over the size removes files down to this share of it
 
 logger = logging.getLogger(__name__)
 
-class SharedTier:
+class SharedTier(WriterTier):
     """The shared tier of an engine whose pool is `tensors` (every layer's K and V pools)."""
 
     def __init__(self, tensors: list[torch.Tensor], directory: str, capacity_bytes: int, name: str) -> None:
         """`name`: the namespace of the engine's blocks (kv_share_layout.namespace), its subdirectory."""
-        self.pool = PoolBlocks(tensors)
-        self.block_nbytes = self.pool.block_nbytes
+        super().__init__(tensors, "kv-share-writer")
         self.file_nbytes = HEADER.size + self.block_nbytes
         if capacity_bytes < self.file_nbytes:
             raise ValueError(f"kv_share_bytes={capacity_bytes} is smaller than one KV block "
@@ -56,14 +53,10 @@ class SharedTier:
         self.capacity_bytes = capacity_bytes
         self.directory = os.path.join(directory, name)
         os.makedirs(self.directory, exist_ok=True)
-        self.stats = OffloadStats()
         self._read_buffer = bytearray(self.file_nbytes + 1)  # one byte over: a longer file is not this block's
-        self._lock = threading.Lock()
         self._staged: dict[bytes, torch.Tensor] = {}  # published here, not yet written
-        self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue()
         self._since_scan = 0  # bytes this engine wrote since it last measured the directory
         self._scanned = self._trim()  # bytes in the directory at that scan
-        self._writer = threading.Thread(target=self._write_loop, name="kv-share-writer", daemon=True)
         self._writer.start()
         logger.info("KV shared tier: %s (%d blocks of %d bytes at most)", self.directory,
                     capacity_bytes // self.file_nbytes, self.block_nbytes)
@@ -102,21 +95,7 @@ class SharedTier:
             data = self._read(key)
             if data is None:
                 return False
-        self.pool.copy_in(block, data)
-        self.stats.loaded_blocks += 1
-        self.stats.bytes_read += self.block_nbytes
-        self.stats.load_seconds += time.perf_counter() - t0
-        return True
-
-    def close(self) -> None:
-        """Stop the writer (after what it holds)."""
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join(timeout=30)
-
-    def flush(self) -> None:
-        """Wait until every published block is written (tests, benchmarks)."""
-        self._queue.join()
+        return self._loaded(block, data, t0)
 
     # ---- internals ----------------------------------------------------------------
 
@@ -145,13 +124,13 @@ class SharedTier:
         return torch.frombuffer(raw, dtype=torch.uint8, offset=HEADER.size, count=self.block_nbytes)
 
     def _reject(self, path: str, why: str) -> None:
+        """Remove a block file that did not check out (the caller then returns None: recompute)."""
         logger.warning("KV shared tier: %s did not read back (%s); removed, its tokens are recomputed", path, why)
         self.stats.errors += 1
         try:
             os.unlink(path)
         except OSError:
             pass
-        return None
 
     def _write(self, key: bytes, data: torch.Tensor) -> None:
         path = block_file(self.directory, key)
