@@ -148,3 +148,8 @@ def test_the_decode_replicas_client_counts_each_outcome_and_prefills_itself_on_f
     assert decode.engine.incoming.num_blocks == 5
     failed = asyncio.run(scenario(RuntimeError("the prefill replica died")))
     assert failed.transfers.calls == [(1.0, {"outcome": "failed"})] and failed.transfer_bytes.calls == []
+    # Once the decode engine has computed the prompt, its pool holds every full block: no call at all.
+    decode.generate([prompts[0]], [ONE])
+    assert decode.engine.cached_prefix_blocks(prompts[0]) == (5, 5)
+    held = asyncio.run(scenario(RuntimeError("must not be called")))
+    assert held.transfers.calls == [(1.0, {"outcome": "cached"})]

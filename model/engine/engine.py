@@ -269,6 +269,16 @@ class Engine:
         pool = self.incoming.pool
         return KVBlocks(keys[:len(run)], pool.copy_out_many(run), pool.block_nbytes, self.kv_namespace)
 
+    def cached_prefix_blocks(self, prompt_token_ids: list[int], lora: str | None = None) -> tuple[int, int]:
+        """(leading full blocks of the prompt in the pool now, full blocks it has). Reads only, so a
+        caller off the step thread may ask (a decode replica deciding whether to fetch a prefill):
+        the answer may be stale by the time the prompt is admitted, which costs time, not tokens."""
+        blocks = self.scheduler.blocks
+        if not blocks.enable_prefix_caching:
+            return 0, len(prompt_token_ids) // blocks.block_size
+        keys = blocks.hashes(Sequence("lookup", list(prompt_token_ids), SamplingParams(), lora=lora))
+        return len(blocks.cached_run(keys)), len(keys)
+
     def receive_prefix(self, blocks: KVBlocks) -> bool:
         """Keep blocks another engine exported until the request they are for is admitted: its
         prefix then runs through them as through cached blocks. False (and nothing kept) when they

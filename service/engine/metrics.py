@@ -96,9 +96,10 @@ METRICS: tuple[MetricSpec, ...] = (
     *tier_metrics("offload", "the offload tier"),
     *tier_metrics("share", "the shared tier (kv_share_dir)"),
     MetricSpec("transfers", "qkv_kv_transfers_total", "counter",
-               "Prompts a decode replica asked the prefill deployment for, by outcome: received (blocks taken), "
+               "Long prompts of a decode replica with a Prefill deployment, by outcome: received (blocks taken), "
                "refused (blocks of another model or layout), failed (the prefill replica failed or timed out: "
-               "prefilled here).", ("outcome",)),
+               "prefilled here), cached (this replica's pool already held every full block: not asked).",
+               ("outcome",)),
     MetricSpec("transfer_bytes", "qkv_kv_transfer_bytes_total", "counter",
                "Bytes of KV blocks received from the prefill deployment."),
     MetricSpec("transfer_fetch_time", "qkv_kv_transfer_fetch_seconds_total", "counter",

@@ -3,7 +3,7 @@
 blocks instead of prefilling.
 
 The decode replica, before it queues a request whose prompt has at least `prefill_min_tokens`
-tokens, calls the prefill deployment (`EngineReplica.prefill`, through a Serve handle: Serve
+tokens and whose full blocks its own pool does not all hold already, calls the prefill deployment (`EngineReplica.prefill`, through a Serve handle: Serve
 picks the prefill replica). That replica runs the prompt for one token, exports the prompt's
 cached blocks (`Engine.export_prefix`) and hands them to its connector, which returns a
 `KVTransfer`; the decode replica's connector turns it back into blocks, and its engine keeps them
@@ -87,6 +87,10 @@ class RemotePrefill:
         prefilled here."""
         prompts = {(tuple(r.prompt_token_ids), r.lora) for r in requests if len(r.prompt_token_ids) >= self.min_tokens}
         for prompt, lora in prompts:
+            held, full = self.host.engine.cached_prefix_blocks(list(prompt), lora)
+            if held >= full:  # this replica's pool holds every block a prefill would send
+                self.host.metrics.transfers.inc(tags={"outcome": "cached"})
+                continue
             await self._fetch_one(list(prompt), lora)
 
     async def _fetch_one(self, prompt: list[int], lora: str | None) -> None:
