@@ -3,8 +3,9 @@
 blocks instead of prefilling.
 
 The decode replica, before it queues a request whose prompt has at least `prefill_min_tokens`
-tokens and whose full blocks its own pool does not all hold already, calls the prefill deployment (`EngineReplica.prefill`, through a Serve handle: Serve
-picks the prefill replica). That replica runs the prompt for one token, exports the prompt's
+tokens and whose full blocks its own pool does not all hold already, calls the prefill
+deployment (`EngineReplica.prefill`, through a Serve handle: Serve picks the prefill replica).
+That replica runs the prompt for one token, exports the prompt's
 cached blocks (`Engine.export_prefix`) and hands them to its connector, which returns a
 `KVTransfer`; the decode replica's connector turns it back into blocks, and its engine keeps them
 for the request (`Engine.receive_prefix`), which then finds its prefix cached.

@@ -118,7 +118,7 @@ class PrefixAwareRouter(RequestRouter):
     adapter to a replica holding it; balances by load otherwise."""
 
     def initialize_state(self, block_size: int = 16, imbalance_threshold: int = 8, min_match_rate: float = 0.1,
-                            max_blocks: int = 200_000, max_adapters: int = 10_000, route_by_prefix: bool = True,
+                         max_blocks: int = 200_000, max_adapters: int = 10_000, route_by_prefix: bool = True,
                          model_block_sizes: dict[str, int] | None = None, tier_imbalance_threshold: int = 1,
                          **_: Any) -> None:
         """`request_router_kwargs`: the engine's `block_size`; how many more requests in flight the
@@ -210,7 +210,8 @@ class PrefixAwareRouter(RequestRouter):
         if hashes:
             holder, run = self._holder(hashes, {r.replica_id: r for r in candidate_replicas})
             # Leaving the holder recomputes what it holds beyond the shared tier, or only loads it.
-            allowance = self._imbalance if holder is None or run > self._tier_run(route, candidate_replicas) \
+            usable = min(run, (len(route.prompt or ()) - 1) // self._block_size_of(route))  # the last token is computed
+            allowance = self._imbalance if holder is None or usable > self._tier_run(route, candidate_replicas) \
                 else self._tier_imbalance
             if holder is not None and run * self._block_size_of(route) >= self._min_match_rate * len(route.prompt or ()) \
                     and self._load(holder) - least <= allowance:
