@@ -218,13 +218,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
-        found: list[int] = []
         hashes = self.hashes(seq)[:limit]
-        for h in hashes:
-            block = self._cached.get(h)
-            if block is None:
-                break
-            found.append(block)
+        found = self.cached_run(hashes)
         if self.tier is not None:
             found += self._from_tier(hashes[len(found):], set(found))
         return found
@@ -238,6 +233,12 @@ class BlockManager:
                 break
             run.append(block)
         return run
+
+    def cached_prefix(self, token_ids: list[int], lora: str | None = None) -> tuple[list[bytes], list[int]]:
+        """The hashes of the full blocks of `token_ids` (run under `lora`) and the pool blocks
+        holding their leading run; reads only (nothing is taken or revived)."""
+        keys = block_hashes(token_ids, self.block_size, sequence_salt(self.salt, lora))
+        return keys, self.cached_run(keys)
 
     def _from_tier(self, hashes: list[bytes], keep: set[int]) -> list[int]:
         """The run of `hashes` from the pool or the tier: the tier's blocks are copied into pool

@@ -263,9 +263,7 @@ class Engine:
         engine of the same model to decode from (prefill/decode disaggregation). Between steps."""
         if self.incoming is None:
             raise ValueError("exporting KV blocks needs prefix caching")
-        blocks = self.scheduler.blocks
-        keys = blocks.hashes(Sequence("export", list(prompt_token_ids), SamplingParams(), lora=lora))
-        run = blocks.cached_run(keys)
+        keys, run = self.scheduler.blocks.cached_prefix(prompt_token_ids, lora)
         pool = self.incoming.pool
         return KVBlocks(keys[:len(run)], pool.copy_out_many(run), pool.block_nbytes, self.kv_namespace)
 
@@ -276,8 +274,8 @@ class Engine:
         blocks = self.scheduler.blocks
         if not blocks.enable_prefix_caching:
             return 0, len(prompt_token_ids) // blocks.block_size
-        keys = blocks.hashes(Sequence("lookup", list(prompt_token_ids), SamplingParams(), lora=lora))
-        return len(blocks.cached_run(keys)), len(keys)
+        keys, run = blocks.cached_prefix(prompt_token_ids, lora)
+        return len(run), len(keys)
 
     def receive_prefix(self, blocks: KVBlocks) -> bool:
         """Keep blocks another engine exported until the request they are for is admitted: its

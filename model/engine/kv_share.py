@@ -1,9 +1,9 @@
 """Prefixes shared across replicas: a directory the engines of one node share (`kv_share_dir`, e.g.
 on /dev/shm), holding one file per KV block named by the block's prefix hash. An engine writes
 each prompt block it computes there, and any other block when its pool evicts it (in the
-background, once per block whatever the number of engines), and a prompt whose prefix runs past the engine's own pool continues with the blocks it
-finds there, copied in instead of recomputed: a prefix computed by one replica is loaded by the
-others (docs/features/kv-offload.md).
+background, once per block whatever the number of engines), and a prompt whose prefix runs past
+the engine's own pool continues with the blocks it finds there, copied in instead of recomputed:
+a prefix computed by one replica is loaded by the others (docs/features/kv-share.md).
 
 The block manager (torch-free) calls it by block hash, as it calls the private tier
 (kv_offload.py): `publish(block, key)` when a prompt block is computed, `save(block, key)` when
@@ -39,6 +39,7 @@ from model.engine.kv_share_layout import HEADER, MAGIC, block_file
 TRIM_TO = 0.9  # a scan over the size removes files down to this share of it
 
 logger = logging.getLogger(__name__)
+
 
 class SharedTier(WriterTier):
     """The shared tier of an engine whose pool is `tensors` (every layer's K and V pools)."""

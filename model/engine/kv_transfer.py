@@ -68,9 +68,9 @@ class IncomingBlocks:
             self._where[key] = self._next
         self._next += 1
         while len(self._transfers) > self.max_transfers:
-            _, old = self._transfers.popitem(last=False)
+            index, old = self._transfers.popitem(last=False)
             for key in old:
-                if self._where.get(key) is not None and self._where[key] not in self._transfers:
+                if self._where.get(key) == index:  # not taken over by a later transfer of the same block
                     del self._where[key]
 
     def save(self, block: int, key: bytes) -> None:
