@@ -26,10 +26,8 @@ def ports(tmp_path_factory: pytest.TempPathFactory) -> Any:
     args = {"model": str(model), "num_replicas": 2, "max_num_seqs": 4, "engine_num_cpus": 0.5,
             "router_num_cpus": 0.25, "torch_threads": 1, "kv_share_dir": str(share), "kv_share_bytes": 64 << 20}
     with serve_on_local_ray(args, HTTP_PORT, DASHBOARD_PORT, METRICS_PORT) as _:
-        found: list[list[int]] = []
-        wait_until(lambda: len(found.append(engine_replica_ports()) or found[-1]) == 2, 60,
-                   "HAProxy to list both engine replicas")
-        yield found[-1]
+        wait_until(lambda: len(engine_replica_ports()) == 2, 60, "HAProxy to list both engine replicas")
+        yield engine_replica_ports()
 
 
 def complete(port: int) -> dict[str, Any]:
