@@ -25,6 +25,8 @@ QuantizeLmHead = bool | Literal["auto", "int8"]
 QUANTIZE_LM_HEAD = (False, True, "auto", "int8")
 AttentionBackend = Literal["auto", "gather", "fused", "flex"]
 ATTENTION_BACKENDS = ("auto", "gather", "fused", "flex")
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # Byte-level vocabulary: 256 byte values followed by the special tokens.
 BYTE_VOCAB = 256
@@ -282,6 +284,15 @@ class EngineConfig:
     max_num_batched_tokens: int = described(2048, "Tokens one step computes at most, decodes and prompt chunks "
                                                   "together: a longer prompt is prefilled in chunks over several "
                                                   "steps.")
+    scheduling_policy: SchedulingPolicy = described(
+        "fcfs", "The order waiting requests are admitted in (vLLM's name and values): fcfs, first come first "
+                "served; priority, by each request's `priority` (lower first, negative allowed; aged by "
+                "`priority_aging_s`), and a request that does not fit preempts running ones of a worse priority. "
+                "Under both, a request whose tenant has fewer running sequences goes before a busier tenant's.")
+    priority_aging_s: float = described(
+        10.0, "With scheduling_policy priority: a request's priority improves by 1 for every this many seconds "
+              "since it arrived (preempted or not), so a low-priority request is never starved by a stream of "
+              "higher ones; 0: no aging.")
     block_size: int = described(16, "Tokens per KV-cache block, the unit the cache is allocated, shared (prefix "
                                     "caching) and freed in.")
     kv_cache_bytes: int | None = described(None, "Bytes of the KV cache; None: `kv_cache_fraction` of the memory "
@@ -392,8 +403,18 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {self.attention_backend!r}")
+        self._check_scheduling()
         self._check_offload()
         self._check_parallel()
+
+    def _check_scheduling(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
+        if isinstance(self.priority_aging_s, bool) or not isinstance(self.priority_aging_s, (int, float)) \
+                or not self.priority_aging_s >= 0:
+            raise ValueError(f"priority_aging_s must be a number of seconds >= 0 (0: no aging), "
+                             f"got {self.priority_aging_s!r}")
 
     def _check_offload(self) -> None:
         if not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool) \

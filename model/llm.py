@@ -70,11 +70,13 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 lora: str | Seq[str | None] | None = None) -> list[CompletionOutput]:
+                 lora: str | Seq[str | None] | None = None,
+                 priority: Seq[int] | None = None) -> list[CompletionOutput]:
         """Generate for every prompt (a string or a list of token ids); `params` is one
         `SamplingParams` for all prompts or one per prompt (None: `get_default_sampling_params()`).
         `lora`: a LoRA adapter's name (EngineConfig.lora_modules, or `base:adapter`) for all prompts
-        or one per prompt (None: the base model). Outputs come in prompt order."""
+        or one per prompt (None: the base model). `priority`: one per prompt, as vLLM's (lower first;
+        needs scheduling_policy="priority"; None: all 0). Outputs come in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
@@ -82,13 +84,16 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         outs: dict[str, CompletionOutput] = {}
         order = []
         try:
-            for prompt, p, adapter in zip(prompts, params, loras, strict=True):
+            for prompt, p, adapter, prio in zip(prompts, params, loras, priorities, strict=True):
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p, lora=adapter)
+                self.engine.add_request(rid, ids, p, lora=adapter, priority=prio)
                 outs[rid] = CompletionOutput(ids, logprobs=[] if p.logprobs is not None else None)
                 order.append(rid)
         except Exception:

@@ -177,7 +177,8 @@ class Engine:
                                    rope_long_from=rope.original_max_position if rope else None,
                                    rope_recompute=rope is not None and rope.recompute_past_original,
                                    rope_per_length=rope is not None and rope.kind == "dynamic",
-                                   window=_widest_window(cfg))
+                                   window=_widest_window(cfg), policy=ec.scheduling_policy,
+                                   priority_aging_s=ec.priority_aging_s)
         self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
                                    self.config.block_size, max_len,
                                    self.quant_scheme.method if self.quant_scheme else "none")
@@ -228,7 +229,8 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, lora: str | None = None) -> None:
+                    arrival_time: float | None = None, lora: str | None = None, priority: int = 0,
+                    tenant: str | None = None) -> None:
         """Queue a request. Raises ValueError for an id in use, a request that fails
         `model.sampling.request_checks.check_request` (a `RequestError` naming the parameter), one
         needing more KV blocks than the pool has, or a structured-output constraint that does not
@@ -237,20 +239,29 @@ class Engine:
 
         `lora`: the name of a LoRA adapter to run the request under (None: the base model); a
         `LoraError` (a ValueError) for one that is unknown or does not fit. A request whose adapter
-        finds every slot held by adapters in use waits (outside the scheduler) for one."""
+        finds every slot held by adapters in use waits (outside the scheduler) for one.
+
+        `priority` (vLLM's): with scheduling_policy "priority", lower is handled earlier (negative
+        allowed); any other value than 0 is a ValueError under "fcfs". `tenant`: whom the request is
+        for (an API key, a user; None: a group of its own): a waiting request whose tenant has fewer
+        running requests is admitted before a busier tenant's. `arrival_time` (time.monotonic()):
+        what first come, first served and priority aging count from; None: now."""
         self._validate(request_id, prompt_token_ids, params)
+        self._check_priority(priority, tenant)
         if lora is not None:
             if self.lora is None:
                 raise ValueError(f"LoRA adapter {lora!r} asked for, but this engine serves no adapters "
                                  "(set lora_modules or lora_dynamic_path)")
             self.lora.adapter(lora)  # read and checked here, on first use, not inside a step
         constraint = self.structured.constraint(params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, lora=lora)
+        arrival = arrival_time or time.monotonic()
+        seq = Sequence(request_id, list(prompt_token_ids), params, lora=lora, priority=priority, tenant=tenant,
+                       arrival_time=arrival)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), gen,
-                                              RequestTimes(arrival=arrival_time or time.monotonic()), constraint,
+                                              RequestTimes(arrival=arrival), constraint,
                                               [] if params.prompt_logprobs is not None else None)
         if lora is None:
             self.scheduler.add(seq)
@@ -315,6 +326,16 @@ class Engine:
         need = blocks_for(len(prompt) + params.max_tokens, self.config.block_size)
         if need > self.runtime.num_kv_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has {self.runtime.num_kv_blocks}")
+
+    def _check_priority(self, priority: int, tenant: str | None) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower is handled earlier), got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority scheduling is not enabled: start the engine with "
+                             f"scheduling_policy='priority' to use priority={priority} (with "
+                             f"scheduling_policy={self.config.scheduling_policy!r} only priority 0 is allowed)")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {tenant!r}")
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request (waiting or running); its blocks are free at once and the next

@@ -3,9 +3,9 @@
 Each step: every running sequence gets its next tokens (one for a decoding sequence, a
 chunk for one still prefilling) under a token budget; then waiting sequences are admitted
 while budget, sequence slots and KV blocks last. When blocks run out, the newest running
-sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
-With prefix caching a sequence is admitted with the longest run of cached full blocks that
-matches its tokens and computes only the rest (see block_manager.py).
+sequence (by priority: the worst) is preempted: its blocks are freed and it is recomputed
+later from its tokens. With prefix caching a sequence is admitted with the longest run of
+cached full blocks that matches its tokens and computes only the rest (see block_manager.py).
 
 Sliding windows (`window`: set when every layer is windowed, the widest window): before a
 running sequence's next tokens are scheduled, its leading blocks that no query from its next
@@ -18,14 +18,28 @@ salts its block hashes): with the frequencies of its own length (`rope_per_lengt
 or LongRoPE's long factors; with `rope_recompute` (HF Phi-3's generate) a sequence that grows
 past it drops its K/V and is recomputed long from position 0 in the same step, as HF drops its
 cache there.
+
+Policies (vLLM's `scheduling_policy`): `fcfs` admits in arrival order (a preempted sequence
+first). `priority` ranks by effective priority, `Sequence.priority` (lower first) less one for
+every `priority_aging_s` since arrival, so a long-waiting request outranks new better ones; the
+running batch is kept best first, so the preemption victim (the last) is the worst, and a waiting
+sequence that does not fit preempts running ones of a strictly worse rank for itself. Under both,
+waiting sequences whose tenant has fewer running sequences go first among equals (fcfs: among all,
+when any sequence names a tenant); a tenant's next one is ranked after its previous one is admitted.
+Admission stops at the first sequence in that order that cannot be admitted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from model.engine.block_manager import BlockManager
+from model.config import SCHEDULING_POLICIES
+from model.engine.block_manager import BlockManager, blocks_for
 from model.engine.sequence import Sequence, SeqStatus
 
 
@@ -60,7 +74,12 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_all: bool = False, rope_long_from: int | None = None, rope_recompute: bool = False,
-                 rope_per_length: bool = False, window: int | None = None) -> None:
+                 rope_per_length: bool = False, window: int | None = None, policy: str = "fcfs",
+                 priority_aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """`policy`, `priority_aging_s`: EngineConfig's scheduling_policy and priority_aging_s;
+        `clock`: what sequences' arrival times are read against (time.monotonic)."""
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {policy!r}")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,13 +93,29 @@ class Scheduler:
         self.rope_per_length = rope_per_length
         self.num_rope_recomputes = 0
         self.window = None if recompute_all else window
+        self.by_priority = policy == "priority"
+        self.priority_aging_s = priority_aging_s
+        self.clock = clock
+        self._now = 0.0  # the clock at the start of this step: every rank of one step is read at it
+        self._num_tenanted = 0  # sequences in the scheduler that name a tenant (none: fcfs is plain FIFO)
 
     def add(self, seq: Sequence) -> None:
         if self.rope_long_from is not None and seq.num_tokens > self.rope_long_from:
             # Dynamic NTK: the frequencies of this length; LongRoPE: one regime (and one salt, so
             # their blocks are shared) for every sequence longer than the original context.
             seq.rope_len = seq.num_tokens if self.rope_per_length else self.rope_long_from + 1
+        self._num_tenanted += seq.tenant is not None
         self.waiting.append(seq)
+
+    def effective_priority(self, seq: Sequence, now: float) -> int:
+        """`seq.priority`, lowered (improved) by 1 for every `priority_aging_s` since it arrived."""
+        if not self.priority_aging_s:
+            return seq.priority
+        return seq.priority - math.floor(max(0.0, now - seq.arrival_time) / self.priority_aging_s)
+
+    def _rank(self, seq: Sequence) -> tuple[int, float]:
+        """Priority policy: lower is better (admitted first, preempted last)."""
+        return self.effective_priority(seq, self._now), seq.arrival_time
 
     def tokens_before_recompute(self, seq: Sequence) -> int | None:
         """How many tokens `seq` can grow by before its LongRoPE recompute (None: it never
@@ -95,6 +130,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.by_priority:
+            self._now = self.clock()
+            self.running.sort(key=self._rank)  # best first (stable: equals stay in admission order)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -119,7 +157,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = self.running[-1]  # the newest; by priority, the worst (running is sorted best first)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -153,8 +191,10 @@ class Scheduler:
         self.blocks.shrink(seq, seq.num_tokens)
         self.blocks.commit(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Free `seq`'s blocks and queue it to be recomputed; the tokens it had scheduled this step."""
         self.running.remove(seq)
+        dropped = sum(s.num_new_tokens for s in out.scheduled if s.seq is seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
@@ -162,6 +202,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        return dropped
 
     def _recompute_long(self, seq: Sequence) -> None:
         """`seq` crossed the original context: drop its short-regime K/V (their committed blocks
@@ -175,10 +216,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting or budget <= 0 or (not self.by_priority and len(self.running) >= self.max_num_seqs):
+            return
         writing: set[bytes] | None = None
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[i]
+        load = None if self._fifo() else Counter(s.tenant for s in self.running)
+        admitted: list[Sequence] = []
+        for seq in self._waiting_order(load):
+            if budget <= 0 or (not self.by_priority and len(self.running) >= self.max_num_seqs):
+                break  # (before `match`, which may load blocks from a tier)
             # Prompt logprobs need every prompt position computed: no cached prefix for them.
             matched = [] if seq.params.prompt_logprobs is not None else self.blocks.match(seq)
             if self.blocks.enable_prefix_caching:
@@ -186,24 +231,116 @@ class Scheduler:
                 if self.blocks.first_uncached_hash(seq, len(matched)) in writing:
                     # Another sequence (an n > 1 sibling, say) is computing this prefix right
                     # now: wait and share its blocks rather than compute them a second time.
-                    i += 1
                     continue
             computed = len(matched) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
-            if not self.blocks.can_admit(seq, matched, computed + n):
-                break  # first come, first served: do not let later requests jump ahead
-            del self.waiting[i]
-            first = seq.num_preemptions == 0
-            self.blocks.take(seq, matched, count=first)
-            if first:
-                seq.num_cached_tokens = seq.num_computed_tokens
-            self.blocks.grow(seq, computed + n)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            freed = self._make_room(seq, matched, computed + n, out, load)
+            if freed is None:
+                break  # first come (or best ranked), first served: do not let later requests jump ahead
+            budget += freed
+            admitted.append(seq)
+            self._start(seq, matched, computed + n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if load is not None:
+                load[seq.tenant] += 1
             if writing is not None:
                 writing.update(self.blocks.hashes(seq)[len(matched):])
+        self._drop_waiting(admitted)
+
+    def _start(self, seq: Sequence, matched: list[int], num_tokens: int) -> None:
+        """Admit `seq` with the cached blocks `matched` and slots for its first `num_tokens` tokens."""
+        first = seq.num_preemptions == 0
+        self.blocks.take(seq, matched, count=first)
+        if first:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.blocks.grow(seq, num_tokens)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def _make_room(self, seq: Sequence, matched: list[int], num_tokens: int, out: SchedulerOutput,
+                   load: Counter | None) -> int | None:
+        """None when `seq` cannot be admitted (a sequence slot, or blocks for `num_tokens` tokens
+        past its cached `matched` ones, are missing). Under the priority policy, running sequences
+        of a strictly worse effective priority are first preempted for it, the worst first, until
+        it fits (none when preempting them all would not make it fit); then the tokens they had
+        scheduled this step, which go back into the budget."""
+        if self._fits(seq, matched, num_tokens):
+            return 0
+        if not self.by_priority:
+            return None
+        mine = self._rank(seq)[0]
+        worse = [s for s in self.running if self._rank(s)[0] > mine]
+        if not worse or not self._fits_without(worse, matched, num_tokens):
+            return None
+        freed = 0
+        for victim in sorted(reversed(worse), key=self._rank, reverse=True):  # the newest of equals first
+            freed += self._preempt(victim, out)
+            if load is not None:
+                load[victim.tenant] -= 1
+            if self._fits(seq, matched, num_tokens):
+                return freed
+        return None
+
+    def _fits(self, seq: Sequence, matched: list[int], num_tokens: int) -> bool:
+        return len(self.running) < self.max_num_seqs and self.blocks.can_admit(seq, matched, num_tokens)
+
+    def _fits_without(self, victims: list[Sequence], matched: list[int], num_tokens: int) -> bool:
+        """Whether a sequence would fit (as `_fits`) once `victims` were preempted: the blocks only
+        they hold would be free; a block of `matched` that nobody else holds is revived, not gained.
+        (Every hold on this pool's blocks is a running sequence's.)"""
+        if len(self.running) - len(victims) >= self.max_num_seqs:
+            return False
+        ids = {id(v) for v in victims}
+        kept = {b for s in self.running if id(s) not in ids for b in s.block_table[s.num_released_blocks:]}
+        freed = {b for v in victims for b in v.block_table[v.num_released_blocks:]} - kept
+        reviving = sum(1 for b in matched if b not in kept)
+        need = max(0, blocks_for(num_tokens, self.blocks.block_size) - len(matched))
+        return need <= self.blocks.num_free + len(freed) - reviving
+
+    def _fifo(self) -> bool:
+        """Whether the waiting queue is served in its own order (fcfs, and no sequence names a tenant)."""
+        return not self.by_priority and not self._num_tenanted
+
+    def _waiting_order(self, load: Counter | None) -> Iterable[Sequence]:
+        """The waiting sequences in the order they are offered admission: the queue's own under
+        `_fifo` (`load` None); else by (effective priority (priority policy only), the tenant's
+        running sequences in `load`, arrival (priority) or queue position (fcfs)). `load` is read
+        as admission changes it: a tenant's next sequence is ranked once its previous one has been
+        offered."""
+        if load is None:
+            return self.waiting  # not changed while admission iterates it: fcfs preempts nothing there
+        return self._ranked(load)
+
+    def _ranked(self, load: Counter) -> Iterable[Sequence]:
+        # One heap per tenant of (rank without the load, sequence), and a heap of the tenants by
+        # their best sequence's full rank: each pop costs log(tenants), nothing is sorted whole.
+        queues: dict[str | None, list] = {}
+        for pos, seq in enumerate(self.waiting):
+            rank = self._rank(seq) if self.by_priority else (0, 0.0)
+            queues.setdefault(seq.tenant, []).append((rank[0], rank[1], pos, seq))
+        tenants = list(queues)
+        heads = []
+        for i, tenant in enumerate(tenants):
+            heapq.heapify(queues[tenant])
+            heads.append((*_with_load(queues[tenant][0], load[tenant]), i))
+        heapq.heapify(heads)
+        while heads:
+            i = heapq.heappop(heads)[-1]
+            queue = queues[tenants[i]]
+            yield heapq.heappop(queue)[-1]
+            if queue:
+                heapq.heappush(heads, (*_with_load(queue[0], load[tenants[i]]), i))
+
+    def _drop_waiting(self, admitted: list[Sequence]) -> None:
+        """Take the admitted sequences out of the waiting queue (in FIFO order they lead it)."""
+        ids = {id(s) for s in admitted}
+        while ids and self.waiting and id(self.waiting[0]) in ids:
+            ids.discard(id(self.waiting.popleft()))
+        if ids:
+            kept = [s for s in self.waiting if id(s) not in ids]
+            self.waiting.clear()
+            self.waiting.extend(kept)
 
     def _being_written(self) -> set[bytes]:
         """Hashes of the full blocks that running sequences hold but have not computed yet."""
@@ -220,12 +357,18 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the scheduler (finished or aborted) and free its blocks."""
+        held = seq.status == SeqStatus.RUNNING or (seq.status == SeqStatus.WAITING and seq in self.waiting)
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SeqStatus.WAITING and seq in self.waiting:
+        elif held:
             self.waiting.remove(seq)
+        self._num_tenanted -= held and seq.tenant is not None
         self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
 
+def _with_load(entry: tuple, load: int) -> tuple:
+    """A tenant queue's (priority, arrival, position, sequence) entry as its rank in the tenants'
+    heap: (priority, the tenant's running sequences, arrival, position)."""
+    return entry[0], load, entry[1], entry[2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,13 @@ class Sequence:
     # was longer than the original context when it arrived, or grew past it and was recomputed);
     # 0: each position as in a sequence ending there.
     rope_len: int = 0
+    # Scheduling (scheduler.py): lower priorities are admitted first and preempted last under the
+    # priority policy (vLLM's meaning); the tenant's running sequences rank its waiting ones
+    # behind a quieter tenant's (None: a tenant of its own). The arrival (time.monotonic()) is
+    # kept through preemptions: aging and first-come-first-served count from it.
+    priority: int = 0
+    tenant: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def token_ids(self) -> list[int]:
