@@ -33,9 +33,12 @@ from model.loading.loading import is_preset
 from service.engine.admission import admission_capacity
 from service.http.api import API_KEY_ENV, IngressSettings
 from service.launch import haproxy_enabled
+from service.replica.autoscaling import REPLACED_SERVE_KEYS, ScalingTargets, serve_autoscaling_config
 from service.replica.engine_deployment import EngineBackend, EngineDeployment, PrefillDeployment
 from service.replica.placement import PlacementStrategy, engine_device, replica_resources, warn_if_unplaceable
 from service.routing.prefix_route import PrefixRoute
+from service.tenancy.keys import KeyTable
+from service.tenancy.ledger import QuotaLedgerDeployment
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,23 @@ class AppArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve's autoscaling_config "
                                                       "(min_replicas, max_replicas, target_ongoing_requests, ...); "
                                                       "replaces num_replicas when given.")
+    # autoscaling on time to first token and queue (service/replica/autoscaling.py)
+    autoscaling_target_ttft_s: float | None = Field(None, gt=0, description="Scale the engine replicas on their own "
+                                                    "time to first token (its p90 over autoscaling_ttft_window_s) "
+                                                    "and queue, within autoscaling_config's min_replicas and "
+                                                    "max_replicas: a replica is added when the p90 stays above "
+                                                    "this; None: Serve's policy (on ongoing requests) when "
+                                                    "autoscaling_config is given.")
+    autoscaling_target_queue: int = Field(4, ge=0, description="With autoscaling_target_ttft_s: a replica is also "
+                                          "added when more requests than this wait per replica.")
+    autoscaling_upscale_delay_s: float = Field(10.0, ge=0, description="With autoscaling_target_ttft_s: how long "
+                                               "the p90 (or the queue) must stay above target before a replica is "
+                                               "added.")
+    autoscaling_downscale_delay_s: float = Field(60.0, ge=0, description="With autoscaling_target_ttft_s: how long "
+                                                 "the p90 must stay under half the target, with nothing waiting, "
+                                                 "before a replica is removed (one at a time).")
+    autoscaling_ttft_window_s: float = Field(10.0, gt=0, description="With autoscaling_target_ttft_s: each "
+                                             "replica's p90 is over the first tokens of this many last seconds.")
     dtype: str = Field("auto", description="Weights' dtype: float32, bfloat16 or float16; auto: float32 on the "
                        "CPU, on CUDA the checkpoint's 16-bit dtype or bfloat16.")
     seed: int = Field(0, description="torch's seed in each engine (sampling of requests that give no `seed`).")
@@ -116,6 +136,8 @@ class AppArgs(BaseModel):
         "PACK", description="How a replica's placement group (bundle 0 the replica, then one per tensor-parallel "
                             "rank) is placed on nodes: PACK, STRICT_PACK (one node), SPREAD, STRICT_SPREAD.")
     enable_prefix_caching: bool = engine_arg("enable_prefix_caching")
+    scheduling_policy: Literal["fcfs", "priority"] = engine_arg("scheduling_policy")
+    priority_aging_s: float = engine_arg("priority_aging_s", ge=0)
     prefix_aware_routing: bool = Field(True, description="With several replicas: a request whose prompt shares a "
                                        "cached prefix (or that names a LoRA adapter) goes to the replica holding "
                                        "it.")
@@ -137,6 +159,10 @@ class AppArgs(BaseModel):
     api_key: str | None = Field(None, description="Requests must send it (`Authorization: Bearer`, or `x-api-key` "
                                 "on the Messages routes), else 401; None: the QKV_API_KEY environment variable, "
                                 "unset: no key.")
+    api_keys_file: str | None = Field(None, description="A keys file (YAML or JSON; a mounted Kubernetes Secret "
+                                      "works): tenants, the sha256 of their keys, the models each may use, their "
+                                      "requests and tokens per minute, concurrency and default priority "
+                                      "(docs: Tenants). Read again when it changes. Replaces api_key.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="The largest request body; 413 past it.")
     max_header_bytes: int = Field(32 * 1024, ge=1024, description="The largest path plus headers; 431 past it.")
     request_timeout_s: float | None = Field(None, gt=0, description="Whole-request deadline: a request still "
@@ -166,6 +192,44 @@ class AppArgs(BaseModel):
     models: list[dict[str, Any]] | None = Field(None, description="Several base models behind one endpoint: a "
                                                 "list of per-model argument dicts, each taking these arguments "
                                                 "(service/multi_model.py).")
+
+    @model_validator(mode="after")
+    def _one_kind_of_key(self) -> "AppArgs":
+        if self.api_keys_file and self.api_key:
+            raise ValueError("set api_key or api_keys_file, not both: the keys file names every key")
+        if self.api_keys_file and self.models is not None:
+            raise ValueError("api_keys_file serves one model per app for now; leave out models, or use api_key")
+        if self.api_keys_file:
+            KeyTable(self.api_keys_file)  # a missing or invalid file fails here, not in every replica
+        return self
+
+    @model_validator(mode="after")
+    def _ttft_autoscaling_has_bounds(self) -> "AppArgs":
+        if self.autoscaling_target_ttft_s is None or self.models is not None:  # (each entry checks its own)
+            return self
+        config = self.autoscaling_config or {}
+        if "max_replicas" not in config:
+            raise ValueError("autoscaling_target_ttft_s needs autoscaling_config with the bounds it scales within, "
+                             'e.g. {"min_replicas": 1, "max_replicas": 4}')
+        replaced = sorted(REPLACED_SERVE_KEYS & config.keys())
+        if replaced:
+            raise ValueError(f"autoscaling_config's {', '.join(replaced)} do not apply with autoscaling_target_ttft_s "
+                             "(its policy decides, with autoscaling_upscale_delay_s and autoscaling_downscale_delay_s)")
+        low, high = config.get("min_replicas", 1), config["max_replicas"]
+        if not isinstance(low, int) or low < 1:
+            raise ValueError(f"autoscaling_config's min_replicas must be >= 1 with autoscaling_target_ttft_s (the "
+                             f"policy reads the replicas' own first-token latencies: one must run), got {low!r}")
+        if not isinstance(high, int) or high < low:
+            raise ValueError(f"autoscaling_config's max_replicas must be >= min_replicas ({low}), got {high!r}")
+        return self
+
+    def scaling_targets(self) -> ScalingTargets:
+        """What the TTFT autoscaling policy aims for (needs autoscaling_target_ttft_s)."""
+        assert self.autoscaling_target_ttft_s is not None
+        return ScalingTargets(target_ttft_s=self.autoscaling_target_ttft_s, max_num_seqs=self.max_num_seqs,
+                              target_queue=self.autoscaling_target_queue,
+                              upscale_delay_s=self.autoscaling_upscale_delay_s,
+                              downscale_delay_s=self.autoscaling_downscale_delay_s)
 
     @model_validator(mode="after")
     def _prefill_needs_the_prefix_cache(self) -> "AppArgs":
@@ -285,6 +349,8 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
                                           "num_replicas": args.prefill_replicas, "autoscaling_config": None})
         init |= {"prefill": PrefillDeployment.options(**engine_options(prefill)).bind(**engine_init(prefill, engine_wrapper)),
                  "prefill_min_tokens": args.prefill_min_tokens, "prefill_timeout_s": args.prefill_timeout_s}
+    if args.api_keys_file and "quotas" not in init:  # the tenants' counts, one ledger for every replica
+        init["quotas"] = QuotaLedgerDeployment.bind()
     engine = (EngineBackend.options(name=deployment_name) if deployment_name else EngineDeployment).options(
         **options, **(router_options(args) if prefix_router else {}),
     ).bind(**init)
@@ -292,7 +358,8 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     logger.info("building %s on %s: %s, admission %d per replica, %s, api key %s", args.resolved_name(),
                 "GPU" if use_gpu(args.accelerator) else "CPU", scaling, args.admission(),
                 "HAProxy" + (" with the prefix router" if prefix_router else "") if haproxy_enabled()
-                else "Serve's proxy", "on" if ingress_settings(args).api_key else "off")
+                else "Serve's proxy", "keys file" if args.api_keys_file else "on" if ingress_settings(args).api_key
+                else "off")
     if not prefix_router or deployment_name:
         return engine
     router = PrefixRoute.options(ray_actor_options={"num_cpus": args.router_num_cpus})
@@ -308,6 +375,8 @@ def engine_options(args: AppArgs) -> dict[str, Any]:
         warn_if_unplaceable(resources, ray.cluster_resources())
     scaling: dict[str, Any] = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
                                else {"num_replicas": args.num_replicas})
+    if args.autoscaling_config and args.autoscaling_target_ttft_s is not None:  # the replicas' TTFT and queue
+        scaling = {"autoscaling_config": serve_autoscaling_config(args.autoscaling_config, args.scaling_targets())}
     capacity = args.admission()
     return dict(
         **resources,
@@ -326,7 +395,8 @@ def engine_options(args: AppArgs) -> dict[str, Any]:
 def ingress_settings(args: AppArgs) -> IngressSettings:
     """What the replica's HTTP edge enforces, from the arguments."""
     return IngressSettings(
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=None if args.api_keys_file else args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_keys_file=args.api_keys_file,
         max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes,
         request_timeout_s=args.request_timeout_s,
@@ -355,4 +425,5 @@ def engine_init(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
         revision=args.revision,
         stall_timeout_s=args.stall_timeout_s,
         stream_interval_ms=args.stream_interval_ms,
+        ttft_window_s=args.autoscaling_ttft_window_s,
     )

@@ -56,8 +56,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.anthropic.routes import MESSAGES_PATH, anthropic_error_response
 from service.app import (UNBOUNDED_ONGOING, AppArgs, compose_app, engine_init, engine_options, router_options,
                          wants_prefix_router)
-from service.http.api import (API_KEY_ENV, MAX_DRAIN_BYTES, ApiKeyMiddleware, HeaderLimitMiddleware, build_api,
-                              error_response)
+from service.http.api import (API_KEY_ENV, MAX_DRAIN_BYTES, HeaderLimitMiddleware, IngressSettings, add_key_check,
+                              build_api, error_response, key_lookup)
 from service.http.asgi_forward import ForwardedRequest, ResponseStart
 from service.http.engine_call import OverloadPolicy
 from service.http.errors import APIError
@@ -381,7 +381,10 @@ class ModelRouter:
         self._plain = engines
         # Models with several replicas pick one by prompt prefix and adapter: tokenized here as there.
         self._serving = {name: OpenAIServing(self._infos[name], None, OverloadPolicy()) for name in routed}
-        self._key = settings["api_key"] or os.environ.get(API_KEY_ENV) or None
+        # The front checks keys for what it answers itself; each model's edge checks them again
+        # (and runs the request as the key's tenant).
+        self._keys = key_lookup(IngressSettings(api_key=settings["api_key"] or os.environ.get(API_KEY_ENV) or None,
+                                                api_keys_file=settings.get("api_keys_file")))
         self._max_body = settings["max_body_bytes"]
         self._max_header = settings["max_header_bytes"]
 
@@ -467,8 +470,8 @@ class ModelRouter:
                 route = RoutingPrompt(*picked) if picked else None
             return await self.forward(name, request, body, route)
 
-        if self._key:
-            app.add_middleware(ApiKeyMiddleware, api_key=self._key)
+        if self._keys is not None:
+            add_key_check(app, self._keys)
         app.add_middleware(HeaderLimitMiddleware, max_bytes=self._max_header)
         return app
 

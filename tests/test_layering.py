@@ -7,9 +7,9 @@
 - The building blocks sit below what uses them: model.layers imports only model.config and
   itself; model.models and model.inspect only those and model.layers.
 - service/'s parts the same way: service.engine (the step loop, gate, metrics) imports no other
-  part; the HTTP edge (service.http and the API families) only service.engine; the replica's
-  deployment and the routing, which both stand on the edge, not each other; service.launch
-  nothing (it runs before Ray Serve is imported). The app on top (app.py, multi_model.py) may
+  part; the HTTP edge (service.http, the API families and the tenants' keys and quotas) only
+  service.engine; the replica's deployment and the routing, which both stand on the edge, not
+  each other; service.launch nothing (it runs before Ray Serve is imported). The app on top (app.py, multi_model.py) may
   import any part.
 """
 
@@ -48,11 +48,11 @@ ALLOWED_BELOW = {
 }
 
 # service part -> the service parts it may import (a part: a sub-package, or a module at the top)
-EDGE = {"engine", "http", "openai", "anthropic", "tools"}
+EDGE = {"engine", "http", "openai", "anthropic", "tools", "tenancy"}
 SERVICE_ALLOWED = {
     "engine": {"engine"},
     "tools": {"tools"},  # tool-call parsing knows nothing of HTTP or the engine
-    "http": EDGE, "openai": EDGE, "anthropic": EDGE,
+    "http": EDGE, "openai": EDGE, "anthropic": EDGE, "tenancy": EDGE,
     "replica": EDGE | {"replica"},
     "routing": EDGE | {"routing"},
     "launch": set(),

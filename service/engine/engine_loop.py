@@ -51,6 +51,8 @@ class SubRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora: str | None = None  # the LoRA adapter the request runs under (None: the base model)
+    priority: int = 0  # lower runs sooner (vLLM's meaning), with scheduling_policy "priority"
+    tenant: str | None = None  # whose request (a keys file's tenant): the scheduler shares slots among tenants
 
 
 @dataclass
@@ -302,8 +304,12 @@ class EngineLoop:
                 _call(*payload)
                 continue
             try:
-                lora = {"lora": payload.lora} if payload.lora is not None else {}
-                self._engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params, **lora)
+                extra: dict[str, Any] = {"lora": payload.lora} if payload.lora is not None else {}
+                if payload.priority:
+                    extra["priority"] = payload.priority
+                if payload.tenant is not None:
+                    extra["tenant"] = payload.tenant
+                self._engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params, **extra)
             except ValueError as exc:  # the HTTP edge checks first; this is the last line
                 sink.put_threadsafe(EngineFailure(404 if isinstance(exc, LoraNotFoundError) else 400, str(exc)))
                 continue

@@ -122,6 +122,18 @@ METRICS: tuple[MetricSpec, ...] = (
                "LoRA adapters evicted from a slot (least recently used, idle)."),
     MetricSpec("lora_requests", "qkv_lora_requests_total", "counter",
                "Finished requests (choices) run under each LoRA adapter.", ("lora_name",)),
+    MetricSpec("tenant_requests", "qkv_tenant_requests_total", "counter",
+               "Requests of each tenant of the keys file (`api_keys_file`; at most 256 tenants), counted before "
+               "its limits are checked.", ("tenant",)),
+    MetricSpec("tenant_rejections", "qkv_tenant_rejections_total", "counter",
+               "Requests refused with 429 by a tenant's limit: requests_per_minute, tokens_per_minute or "
+               "max_concurrency.", ("tenant", "limit")),
+    MetricSpec("tenant_prompt_tokens", "qkv_tenant_prompt_tokens_total", "counter",
+               "Prompt tokens of each tenant's requests (as its tokens_per_minute counts them).", ("tenant",)),
+    MetricSpec("tenant_generation_tokens", "qkv_tenant_generation_tokens_total", "counter",
+               "Tokens generated for each tenant, counted as they are generated.", ("tenant",)),
+    MetricSpec("tenant_ttft", "qkv_tenant_time_to_first_token_seconds", "histogram",
+               "Time to first token of each tenant's finished requests.", ("tenant",), _LATENCY_BUCKETS),
     MetricSpec("http_responses", "qkv_http_responses_total", "counter",
                "HTTP responses of the replica's edge, by route (the app's route template; unmatched paths: "
                "`other`) and status code; a stream counts once, with the status it started with. Answers "
@@ -181,6 +193,22 @@ class EngineMetrics:
     def observe_lora_request(self, lora: str) -> None:
         """One sequence run under LoRA adapter `lora` has finished."""
         self.lora_requests.inc(1, tags={"lora_name": lora})
+
+    def observe_tenant_request(self, tenant: str, requests: int, prompt_tokens: int) -> None:
+        """`tenant`'s requests (and their prompt tokens) since the last quota report."""
+        self.tenant_requests.inc(requests, tags={"tenant": tenant})
+        if prompt_tokens:
+            self.tenant_prompt_tokens.inc(prompt_tokens, tags={"tenant": tenant})
+
+    def observe_tenant_rejection(self, tenant: str, limit: str) -> None:
+        self.tenant_rejections.inc(1, tags={"tenant": tenant, "limit": limit})
+
+    def observe_tenant_tokens(self, tenant: str, n: int) -> None:
+        """Tokens generated for `tenant` since the last quota report (one `inc` per report, not per token)."""
+        self.tenant_generation_tokens.inc(n, tags={"tenant": tenant})
+
+    def observe_tenant_ttft(self, tenant: str, seconds: float) -> None:
+        self.tenant_ttft.observe(seconds, tags={"tenant": tenant})
 
     def observe_response(self, route: str, status: int) -> None:
         """The HTTP edge started a response (service/http/api.py: `ResponseCounter`)."""

@@ -10,7 +10,6 @@ FastAPI's 422 body and never a stack trace. An optional API key guards every rou
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +31,8 @@ from service.openai.embeddings import add_embeddings_routes
 from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from service.openai.responses_api import add_responses_routes
 from service.openai.serving import OpenAIServing
+from service.tenancy.auth import KeyMiddleware, Lookup, keys_file, single_key
+from service.tenancy.keys import KeyTable
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class IngressSettings:
     """What the HTTP edge enforces besides the request models."""
 
     api_key: str | None = None
+    api_keys_file: str | None = None  # tenants and their hashed keys (service/tenancy/keys.py); wins over api_key
     max_body_bytes: int = 1 << 20
     max_header_bytes: int = 32 * 1024  # request line target plus every header name and value
     overload_status: int = 503
@@ -64,32 +66,19 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches (compared in constant time). The Messages
+def add_key_check(app: FastAPI, lookup: Lookup, precheck: Callable[[Any], APIError | None] | None = None) -> None:
+    """401 unless the request's key passes `lookup` (service/tenancy/auth.py: one key, or a keys
+    file whose tenants the request then runs as; `precheck`: the quotas' early 429). The Messages
     API routes also take Anthropic's `x-api-key: <key>` and answer in Anthropic's error shape."""
+    app.add_middleware(KeyMiddleware, lookup=lookup, open_paths=OPEN_PATHS, messages_path=MESSAGES_PATH,
+                       error_shapes=(error_response, anthropic_error_response), precheck=precheck)
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._key = api_key.encode()
 
-    def _authorized(self, headers: dict[bytes, bytes], messages: bool) -> bool:
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
-            return True
-        return messages and hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        messages = scope["path"] == MESSAGES_PATH or scope["path"].startswith(MESSAGES_PATH + "/")
-        if self._authorized(dict(scope["headers"]), messages):
-            await self.app(scope, receive, send)
-            return
-        err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'"
-                       + (" or 'x-api-key: <key>'." if messages else "."), 401, "authentication_error",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await (anthropic_error_response(err) if messages else error_response(err))(scope, receive, send)
+def key_lookup(settings: IngressSettings) -> Lookup | None:
+    """The key check `settings` ask for: a keys file, one key, or none."""
+    if settings.api_keys_file:
+        return keys_file(KeyTable(settings.api_keys_file))
+    return single_key(settings.api_key) if settings.api_key else None
 
 
 class HeaderLimitMiddleware:
@@ -377,8 +366,10 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
     add_messages_routes(app, serving, limit, read_model, respond)
     add_responses_routes(app, serving, limit, read_model, respond)
 
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    lookup = key_lookup(settings)
+    if lookup is not None:
+        quotas = getattr(serving, "quotas", None)  # None: no keys file (or a stand-in serving in tests)
+        add_key_check(app, lookup, quotas.early_refusal if quotas is not None else None)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=settings.max_header_bytes)  # first of the limits
     app.add_middleware(ResponseCounter, record=on_response)  # outermost: sees every answer
     return app

@@ -16,6 +16,8 @@ from model.engine.sequence import RequestOutput
 from service.engine.admission import AdmissionGate
 from service.engine.engine_loop import EngineFailure, SubRequest
 from service.http.errors import APIError
+from service.tenancy.auth import current_tenant
+from service.tenancy.keys import Tenant
 
 # Set by the HTTP edge for each request (`service.http.api.respond`): the event is set once the
 # request's engine call has its first item, when its status is known (admitted, valid, prefilled).
@@ -46,8 +48,13 @@ class EngineCall:
     `await stream.__anext__()` gives a list of deltas or an `EngineFailure`, `cancel()` aborts."""
 
     def __init__(self, engine: Any, requests: list[SubRequest], gate: AdmissionGate,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, quotas: Any = None) -> None:
+        """`quotas`: the replica's `service.tenancy.quotas.Quotas`; a request whose key names a
+        tenant (`current_tenant`) is admitted by it first, and its tokens are counted there."""
         self._engine, self._requests, self._gate = engine, requests, gate
+        self._quotas = quotas
+        self._tenant: Tenant | None = current_tenant.get() if quotas is not None else None
+        self._lease: str | None = None
         self._admitted = False
         self._timeout_s = timeout_s
         # Event-loop time by which the whole request must be done (queueing included).
@@ -60,6 +67,9 @@ class EngineCall:
         """Start the stream and wait for its first item, so a rejection (overload, bad input)
         is still a plain HTTP error rather than a broken stream. Past the admission capacity
         it is turned away at once; `cancel()`, which every path ends with, frees its slot."""
+        if self._tenant is not None:
+            prompts = {id(r.prompt_token_ids): len(r.prompt_token_ids) for r in self._requests}  # n > 1 shares one
+            self._lease = await self._quotas.admit(self._tenant, sum(prompts.values()))
         self._gate.acquire()
         self._admitted = True
         self._stream = self._engine.generate(self._requests)
@@ -92,18 +102,30 @@ class EngineCall:
         """Every batch of deltas, the first one included; raises `APIError` on failure."""
         first, self._first = self._first, None
         if first is not None:
-            yield first
+            yield self._count(first)
         while True:
             try:
                 item = await self._next()
             except StopAsyncIteration:
                 return
-            yield self._check(item)
+            yield self._count(self._check(item))
+
+    def _count(self, batch: list[RequestOutput]) -> list[RequestOutput]:
+        """A tenant's generated tokens go to its quota as they come."""
+        if self._tenant is not None:
+            self._quotas.add_tokens(self._tenant, sum(len(out.new_token_ids) for out in batch))
+            for out in batch:
+                if out.finished:
+                    self._quotas.finished(self._tenant, out)
+        return batch
 
     def _release(self) -> None:
         if self._admitted:
             self._admitted = False
             self._gate.release()
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            self._quotas.release(lease, self._tenant)
 
     def __del__(self) -> None:  # a response dropped before its body was read: free the slot anyway
         self._release()

@@ -141,6 +141,8 @@ class _SamplingFields(_Request):
     min_tokens: Annotated[int, ranged("min_tokens")] = 0
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     repetition_penalty: Annotated[float, ranged("repetition_penalty")] = 1.0
+    # Lower runs sooner (needs scheduling_policy "priority" unless 0); None: the key's tenant's default, else 0.
+    priority: Annotated[int, Field(ge=-1_000_000, le=1_000_000)] | None = None
     # Not implemented (UNSUPPORTED): a 400 unless neutral.
     min_p: Any = None
     use_beam_search: Any = None

@@ -28,6 +28,7 @@ from service.http.chat_template import ChatTemplate
 from service.http.engine_call import EngineCall, OverloadPolicy
 from service.http.errors import APIError, from_value_error, overloaded_error
 from service.openai.formats import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
+from service.tenancy.auth import current_tenant
 from service.openai.protocol import (SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt,
                                      TokenizeRequest)
 from service.tools.answer import AnswerPlan, plan_answer
@@ -46,12 +47,17 @@ class OpenAIServing:
 
     def __init__(self, info: ModelInfo, engine: Any, overload: OverloadPolicy,
                  request_timeout_s: float | None = None, tool_call_parser: str = "auto",
-                 reasoning_parser: str = "auto", app_models: tuple[str, ...] = ()) -> None:
+                 reasoning_parser: str = "auto", app_models: tuple[str, ...] = (), quotas: Any = None,
+                 priority_scheduling: bool = False) -> None:
         """`tool_call_parser`: "auto" (the format the chat template writes calls in), "none" or
         a format name (service/tools/formats.py); `reasoning_parser`: "auto" (split `<think>`
         when the template thinks), "none", "qwen3" or "deepseek_r1"; `app_models`: every served
-        model of a multi-model app, named in the 404 for an unknown model (empty: this one)."""
+        model of a multi-model app, named in the 404 for an unknown model (empty: this one);
+        `quotas`: the tenants' limits (service/tenancy/quotas.py; None: no keys file);
+        `priority_scheduling`: the engine schedules by priority (tenants' default priorities apply)."""
         self.info = info
+        self._quotas = quotas
+        self.priority_scheduling = priority_scheduling
         self.app_models = tuple(app_models) or (info.served_model_name,)
         self.tokenizer = info.tokenizer
         self._engine = engine
@@ -77,6 +83,11 @@ class OpenAIServing:
                                          req.chat_template_kwargs)
 
     @property
+    def quotas(self) -> Any:
+        """The tenants' limits (service/tenancy/quotas.py), or None without a keys file."""
+        return self._quotas
+
+    @property
     def engine(self) -> Any:
         """What runs requests: the replica's `EngineHost` (a stand-in in some tests)."""
         return self._engine
@@ -84,7 +95,8 @@ class OpenAIServing:
     def engine_call(self, requests: list[Any], engine: Any = None) -> EngineCall:
         """The engine call of one HTTP request, through this replica's admission gate and
         deadline; `engine`: another runner with the same `generate` (the embedding batcher)."""
-        return EngineCall(self._engine if engine is None else engine, requests, self._gate, self._timeout_s)
+        return EngineCall(self._engine if engine is None else engine, requests, self._gate, self._timeout_s,
+                          self._quotas)
 
     async def _start(self, subs: list[SubRequest]) -> EngineCall:
         """The engine call of `subs`, admitted and started (cancelled if starting fails)."""
@@ -115,6 +127,14 @@ class OpenAIServing:
 
     # ---- checks -----------------------------------------------------------------------
 
+    def scheduling(self, priority: int | None) -> tuple[int, str | None]:
+        """A request's (priority, tenant): the priority it sent, else (with priority scheduling)
+        its tenant's default, else 0. With "fcfs" the engine answers 400 to a priority other than 0."""
+        tenant = current_tenant.get()
+        if priority is None:
+            priority = tenant.priority if tenant is not None and self.priority_scheduling else 0
+        return priority, None if tenant is None else tenant.name
+
     def check_model(self, model: str | None) -> None:
         """No model means the served one; a LoRA adapter's name (or `<served>:<adapter>` with dynamic
         loading, found or not by the engine) is served too; any other name is a 404."""
@@ -122,6 +142,11 @@ class OpenAIServing:
             raise APIError(f"The model '{model}' does not exist; this server serves "
                            f"{', '.join(map(repr, self.app_models))}.", 404, "invalid_request_error", "model",
                            "model_not_found")
+        tenant = current_tenant.get()
+        if tenant is not None and not tenant.allows(model or self.info.served_model_name):
+            raise APIError(f"The key of '{tenant.name}' may not use the model "
+                           f"'{model or self.info.served_model_name}'.", 403, "permission_error", "model",
+                           "model_not_allowed")
 
     def adapter_names(self) -> list[str]:
         """The LoRA adapters to list: the start-up ones, and those `<served>:<adapter>` has loaded since."""
@@ -166,6 +191,7 @@ class OpenAIServing:
             raise APIError(f"n x number of prompts may be at most {MAX_CHOICES_TOTAL}, got "
                            f"{req.n} x {len(prompts)}", param="n")
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        scheduling = self.scheduling(req.priority)
         subs = []
         for i, ids in enumerate(prompts):
             try:
@@ -178,7 +204,8 @@ class OpenAIServing:
             except ValueError as exc:
                 raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
             lora = self.adapter_of(req.model)
-            subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params, lora) for j, params in enumerate(choices))
+            subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params, lora, *scheduling)
+                        for j, params in enumerate(choices))
         if subs:
             _check_constraint(req, subs[0].params)
         return subs

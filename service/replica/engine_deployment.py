@@ -47,7 +47,9 @@ from service.http.api import API_KEY_ENV, IngressSettings, build_api, model_card
 from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
+from service.replica.autoscaling import TTFT_WINDOW_S, TTFTWindow, replica_stats
 from service.replica.kv_connector import KVTransfer, RayObjectStoreConnector, RemotePrefill
+from service.tenancy.quotas import Quotas
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class EngineStream:
             batch.extend(item)
         metrics = self._host.metrics
         for out in batch:
+            if self._last_token_time[out.request_id] is None and out.times.first_token is not None:  # its first token
+                self._host.recent_ttft.add(out.times.first_token - out.times.arrival)
             self._last_token_time[out.request_id] = metrics.observe(out, self._last_token_time[out.request_id])
             if out.finished:
                 self._pending.discard(out.request_id)
@@ -168,6 +172,7 @@ class EngineHost:
         self.prefill: Any = None  # a decode replica's RemotePrefill (service/replica/kv_connector.py)
         self.waiting: set[_Sink] = set()  # the sinks of the streams in flight
         self._engine_problem: str | None = None  # what the engine's own check last found (a dead worker)
+        self.recent_ttft = TTFTWindow()  # first-token latencies, for the autoscaler (service/replica/autoscaling.py)
         event_loop = asyncio.get_running_loop()
         self._tasks = [event_loop.create_task(self._refresh_gauges()),
                        event_loop.create_task(self._fail_callers_while_stalled())]
@@ -247,6 +252,12 @@ class EngineHost:
                 logger.exception("could not refresh the engine gauges")
             await asyncio.sleep(GAUGE_REFRESH_S)
 
+    def autoscaling_stats(self) -> dict[str, float]:
+        """What the TTFT autoscaling policy reads (service/replica/autoscaling.py): requests waiting and
+        running in the engine, and the p90 of the recent first-token latencies with their number."""
+        stats = self.loop.stats
+        return replica_stats(self.recent_ttft, stats.num_waiting, stats.num_running)
+
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop the step thread (the timers end with the event loop)."""
         self.loop.stop(timeout_s=timeout_s)
@@ -273,10 +284,13 @@ class EngineReplica:
         prefill: Any = None,
         prefill_min_tokens: int = 64,
         prefill_timeout_s: float = 60.0,
+        quotas: Any = None,
+        ttft_window_s: float = TTFT_WINDOW_S,
     ) -> None:
         """`prefill`: a handle to the `Prefill` deployment (prefill/decode disaggregation): prompts
         of at least `prefill_min_tokens` tokens are prefilled there, each call given up (and the
-        prompt prefilled here) after `prefill_timeout_s`."""
+        prompt prefilled here) after `prefill_timeout_s`.
+        `quotas`: a handle to the app's `QuotaLedgerDeployment` (with a keys file)."""
         from model.engine.engine import Engine  # heavy import; keeps this module importable without it
 
         if torch_threads:
@@ -293,6 +307,7 @@ class EngineReplica:
             engine = engine_wrapper(engine)
         self._host = EngineHost(engine, served_model_name, stall_timeout_s, stream_interval_s=stream_interval_ms / 1000,
                                 torch_thread=torch_thread)
+        self._host.recent_ttft = TTFTWindow(ttft_window_s)
         if prefill is not None:
             self._host.prefill = RemotePrefill(prefill, self._host, prefill_min_tokens, prefill_timeout_s)
         self._connector = RayObjectStoreConnector()  # a prefill replica's side of a transfer
@@ -301,15 +316,17 @@ class EngineReplica:
         self._settings = IngressSettings(**settings)
         overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s,
                                   self._settings.admission_capacity)
+        tenants = Quotas(quotas, self._host.metrics) if self._settings.api_keys_file else None
         self._serving = OpenAIServing(self._host.model_info(), self._host, overload, self._settings.request_timeout_s,
                                       self._settings.tool_call_parser, self._settings.reasoning_parser,
-                                      tuple(self._settings.app_models))
+                                      tuple(self._settings.app_models), tenants,
+                                      config.scheduling_policy == "priority")
         self._created = int(time.time())  # the model cards' time
         runtime = engine.runtime
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d "
                     "admission=%d api key %s", model, runtime.device, runtime.dtype, runtime.max_model_len,
                     runtime.num_kv_blocks, torch.get_num_threads(), overload.capacity,
-                    "on" if self._settings.api_key else "off")
+                    "keys file" if self._settings.api_keys_file else "on" if self._settings.api_key else "off")
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._edge()
@@ -384,6 +401,11 @@ class EngineReplica:
         the LoRA adapters resident in it."""
         stats = self._host.loop.stats
         return {"num_requests": stats.num_running + stats.num_waiting, "lora_adapters": list(stats.lora_resident)}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (polled when the deployment autoscales; on the event loop,
+        where the TTFT window is written): see `EngineHost.autoscaling_stats`."""
+        return self._host.autoscaling_stats()
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica (and, with
