@@ -17,7 +17,7 @@ import pytest
 from in_process import edge_app
 from service.http.api import IngressSettings
 from service.tenancy.keys import KeyTable, Limits, hash_key, parse_keys
-from service.tenancy.ledger import WINDOW_S, QuotaLedger
+from service.tenancy.ledger import ALLOWANCE_TTL_S, UNLIMITED, WINDOW_S, QuotaLedger
 from service.tenancy.quotas import Quotas
 from tiny_models import write_tiny_llama
 
@@ -283,3 +283,15 @@ def test_replicas_admit_far_from_a_limit_on_their_own_and_never_past_it() -> Non
     assert len(held) == 8 and len(set(held)) == 8  # up to the cap, no further
     assert [r.admitted_locally for r in replicas] == [2, 2]
     assert ledger.usage("a") == {"requests": 8, "tokens": 24, "in_flight": 8}
+
+
+def test_an_allowance_is_reserved_until_it_lapses() -> None:
+    clock = Clock()
+    ledger = QuotaLedger(clock=clock)
+    limits = Limits(max_concurrency=4)
+    view = ledger.report("idle-replica", {}, [], limits={"a": limits})
+    assert view.allowances == {"a": (UNLIMITED, UNLIMITED, 2)}  # 4 / (2 x 1 replica)
+    # While the allowance stands, the others may take only what it leaves.
+    assert [ledger.acquire("a", limits, 1, "busy").lease is not None for _ in range(3)] == [True, True, False]
+    clock.t += ALLOWANCE_TTL_S + 0.1  # the idle replica never used it: it lapses
+    assert ledger.acquire("a", limits, 1, "busy").lease is not None

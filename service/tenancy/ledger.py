@@ -40,6 +40,9 @@ class Grant:
     retry_after_s: float = 0.0
 
 
+# An allowance lapses this long after it was given (a replica stops using its View sooner:
+# service/tenancy/quotas.py VIEW_TTL_S), so an idle replica holds no reservation.
+ALLOWANCE_TTL_S = 1.0
 # A dimension with no limit: an allowance that never runs out.
 UNLIMITED = 1 << 62
 
@@ -71,7 +74,8 @@ class QuotaLedger:
         self._leases: dict[str, tuple[str, str]] = {}  # lease -> (tenant, holder)
         self._seen: dict[str, float] = {}  # holder -> when it last called
         self._ids = itertools.count()
-        self._allowed: dict[str, dict[str, tuple[int, int, int]]] = {}  # holder -> its View's allowances
+        # holder -> its View's allowances and when they were given (they lapse after ALLOWANCE_TTL_S)
+        self._allowed: dict[str, tuple[dict[str, tuple[int, int, int]], float]] = {}
 
     def acquire(self, tenant: str, limits: Limits, prompt_tokens: int, holder: str) -> Grant:
         """Admit one request of `tenant` (its prompt counts towards its tokens now), or refuse it."""
@@ -127,7 +131,7 @@ class QuotaLedger:
                 allowance = tuple(UNLIMITED if cap is None else cap // share for cap in caps)
                 if all(a >= 1 for a in allowance):
                     allowed[tenant] = allowance
-        self._allowed[holder] = allowed
+        self._allowed[holder] = (allowed, now)
         return View(allowed)
 
     def usage(self, tenant: str) -> dict[str, int]:
@@ -140,8 +144,9 @@ class QuotaLedger:
         """`tenant`'s requests, tokens and requests in flight, with what the replicas may still
         admit on their own (their allowances, the asker's own included) counted as used."""
         used = [len(u.requests), u.token_sum, len(u.leases)]
-        for allowed in self._allowed.values():
-            if tenant in allowed:
+        now = self._clock()
+        for allowed, given in self._allowed.values():
+            if tenant in allowed and now - given <= ALLOWANCE_TTL_S:
                 used = [n + (a if a != UNLIMITED else 0) for n, a in zip(used, allowed[tenant])]
         return used[0], used[1], used[2]
 

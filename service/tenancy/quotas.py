@@ -28,7 +28,7 @@ from service.tenancy.ledger import Grant, QuotaLedger, View
 
 logger = logging.getLogger(__name__)
 
-VIEW_TTL_S = 1.0  # a View older than this admits nothing on its own
+VIEW_TTL_S = 0.75  # a View older than this admits nothing here (the ledger keeps it reserved for 1 s)
 # A tenant the ledger refused is refused here, without asking, for this long (or until one of its
 # requests here finishes, for its concurrency): a flood's excess costs no ledger call each.
 REFUSAL_TTL_S = 0.25
