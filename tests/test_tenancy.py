@@ -295,3 +295,34 @@ def test_an_allowance_is_reserved_until_it_lapses() -> None:
     assert [ledger.acquire("a", limits, 1, "busy").lease is not None for _ in range(3)] == [True, True, False]
     clock.t += ALLOWANCE_TTL_S + 0.1  # the idle replica never used it: it lapses
     assert ledger.acquire("a", limits, 1, "busy").lease is not None
+
+
+def test_priorities_reach_the_engine_from_the_request_or_the_tenant(tmp_path: Path) -> None:
+    from model.config import EngineConfig
+    from model.engine.engine import Engine
+
+    directory = write_tiny_llama(tmp_path / "tiny", vocab_size=300)
+    engine = Engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4, scheduling_policy="priority"),
+                    device="cpu", dtype="float32")
+    seen: list[tuple[int, str | None]] = []
+    add = engine.add_request
+
+    def recording_add(*args: Any, priority: int = 0, tenant: str | None = None, **kwargs: Any) -> Any:
+        seen.append((priority, tenant))
+        return add(*args, priority=priority, tenant=tenant, **kwargs)
+
+    engine.add_request = recording_add
+    path = tmp_path / "keys.yaml"
+    path.write_text(keys_yaml(batch={"priority": 5}))
+
+    async def run() -> None:
+        async with edge_app(engine, MODEL, IngressSettings(api_keys_file=str(path)), quotas=Quotas(None),
+                            priority_scheduling=True) as app, \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://edge", timeout=60) as http:
+            oai = openai.AsyncOpenAI(base_url="http://edge/v1", api_key="key-batch", http_client=http, max_retries=0)
+            await oai.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            await oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=1, extra_body={"priority": -2})
+
+    asyncio.run(run())
+    assert seen == [(5, "batch"), (-2, "batch")]
