@@ -326,3 +326,26 @@ def test_priorities_reach_the_engine_from_the_request_or_the_tenant(tmp_path: Pa
 
     asyncio.run(run())
     assert seen == [(5, "batch"), (-2, "batch")]
+
+
+def test_a_slot_given_back_is_free_for_the_next_request_at_once_and_an_outage_lets_requests_through() -> None:
+    ledger = QuotaLedger()
+    replica = Quotas(RemoteLedger(ledger))
+    tenant = parse_keys(keys_yaml(a={"max_concurrency": 1}))[hash_key("key-a")]
+
+    async def run() -> None:
+        for _ in range(3):  # one stream after another at the cap: no report between them
+            lease = await replica.admit(tenant, 2)
+            assert lease is not None and ledger.usage("a")["in_flight"] == 1
+            replica.release(lease, tenant)
+        broken = RemoteLedger(ledger)
+
+        def down(*args: Any) -> Any:
+            raise ConnectionError("ledger gone")
+        broken.acquire = RemoteLedger._Method(down)
+        replica._ledger = broken
+        assert await replica.admit(tenant, 2) is None  # admitted unchecked, counted as an error
+        assert replica.errors == 1 and replica._released  # the last release is kept for the next call
+
+    asyncio.run(run())
+    assert ledger.usage("a")["in_flight"] == 1  # the last lease: its release waits for the ledger

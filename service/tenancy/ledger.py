@@ -77,10 +77,15 @@ class QuotaLedger:
         # holder -> its View's allowances and when they were given (they lapse after ALLOWANCE_TTL_S)
         self._allowed: dict[str, tuple[dict[str, tuple[int, int, int]], float]] = {}
 
-    def acquire(self, tenant: str, limits: Limits, prompt_tokens: int, holder: str) -> Grant:
-        """Admit one request of `tenant` (its prompt counts towards its tokens now), or refuse it."""
+    def acquire(self, tenant: str, limits: Limits, prompt_tokens: int, holder: str,
+                released: list[str] = ()) -> Grant:
+        """Admit one request of `tenant` (its prompt counts towards its tokens now), or refuse it;
+        `released`: the asker's leases given back since its last report, dropped first (a client
+        that sends its next request as the last one ends is not refused for the one just done)."""
         now = self._clock()
         self._seen[holder] = now
+        for lease in released:
+            self._drop(lease)
         self._expire(now)
         u = self._usage.setdefault(tenant, _Usage())
         self._prune(u, now)
@@ -201,8 +206,9 @@ class QuotaLedgerDeployment:
     def __init__(self, lease_ttl_s: float = 15.0) -> None:
         self._ledger = QuotaLedger(lease_ttl_s)
 
-    async def acquire(self, tenant: str, limits: Limits, prompt_tokens: int, holder: str) -> Grant:
-        return self._ledger.acquire(tenant, limits, prompt_tokens, holder)
+    async def acquire(self, tenant: str, limits: Limits, prompt_tokens: int, holder: str,
+                      released: list[str] = ()) -> Grant:
+        return self._ledger.acquire(tenant, limits, prompt_tokens, holder, released)
 
     async def report(self, holder: str, tokens: dict[str, int], released: list[str],
                      admitted: list[tuple[str, str, int]] = (), limits: dict[str, Limits] | None = None) -> View:

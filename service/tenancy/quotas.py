@@ -148,10 +148,12 @@ class Quotas:
     async def _acquire(self, tenant: Tenant, prompt_tokens: int) -> Grant:
         if not self._remote:
             return self._ledger.acquire(tenant.name, tenant.limits, prompt_tokens, self.holder)
-        call = self._ledger.acquire.remote(tenant.name, tenant.limits, prompt_tokens, self.holder)
+        released, self._released = self._released, []  # given back first, not at the next report
+        call = self._ledger.acquire.remote(tenant.name, tenant.limits, prompt_tokens, self.holder, released)
         try:
             return await asyncio.wait_for(_awaited(call), self.timeout_s)
         except Exception as exc:  # the ledger down or slow: let the request through
+            self._released = released + self._released  # a lost release would hold its slot for good
             self.errors += 1
             logger.warning("quota ledger unavailable (%s): admitting %s's request unchecked",
                            type(exc).__name__, tenant.name)
@@ -201,7 +203,9 @@ class Quotas:
             view = await asyncio.wait_for(
                 _awaited(self._ledger.report.remote(self.holder, tokens, released, admitted, dict(self._limits))),
                 self.timeout_s)
-        except Exception as exc:  # the counts of this report are lost; the next one goes on
+        except Exception as exc:  # its tokens are lost (never counted twice); its leases go with the next one
+            self._released = released + self._released
+            self._admitted = admitted + self._admitted
             self.errors += 1
             logger.warning("quota ledger report failed: %s", type(exc).__name__)
             return
