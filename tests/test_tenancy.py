@@ -193,6 +193,8 @@ def test_the_edge_answers_as_the_keys_file_says(engine: Any, tmp_path: Path, mon
             with pytest.raises(openai.PermissionDeniedError) as err:
                 await client("key-other").completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert err.value.body["code"] == "model_not_allowed" and err.value.body["param"] == "model"
+            assert [m.id async for m in client("key-other").models.list()] == []  # it sees what it may use
+            assert [m.id async for m in client("key-free").models.list()] == [MODEL]
 
             limited = client("key-limited")
             outs = [await limited.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
@@ -323,9 +325,10 @@ def test_priorities_reach_the_engine_from_the_request_or_the_tenant(tmp_path: Pa
             await oai.completions.create(model=MODEL, prompt="hi", max_tokens=1)
             await oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=1, extra_body={"priority": -2})
+            await oai.responses.create(model=MODEL, input="hi", max_output_tokens=1, extra_body={"priority": 1})
 
     asyncio.run(run())
-    assert seen == [(5, "batch"), (-2, "batch")]
+    assert seen == [(5, "batch"), (-2, "batch"), (1, "batch")]
 
 
 def test_a_slot_given_back_is_free_for_the_next_request_at_once_and_an_outage_lets_requests_through() -> None:
@@ -349,3 +352,23 @@ def test_a_slot_given_back_is_free_for_the_next_request_at_once_and_an_outage_le
 
     asyncio.run(run())
     assert ledger.usage("a")["in_flight"] == 1  # the last lease: its release waits for the ledger
+
+
+def test_a_lease_admitted_here_and_given_back_before_its_report_is_not_leaked() -> None:
+    ledger = QuotaLedger()
+    replica = Quotas(RemoteLedger(ledger))
+    tenant = parse_keys(keys_yaml(a={"max_concurrency": 8}))[hash_key("key-a")]
+
+    async def run() -> None:
+        replica.release(await replica.admit(tenant, 1), tenant)  # asks the ledger
+        await replica.report()  # the allowance: 8 / (2 x 1) = 4
+        local = await replica.admit(tenant, 1)
+        assert replica.admitted_locally == 1
+        replica.release(local, tenant)  # before the report that tells the ledger of it
+        for _ in range(4):  # past the allowance: these ask, carrying the releases the ledger knows
+            replica.release(await replica.admit(tenant, 1), tenant)
+        await replica.report()
+        await replica.report()
+
+    asyncio.run(run())
+    assert ledger.usage("a")["in_flight"] == 0

@@ -31,7 +31,7 @@ from service.openai.embeddings import add_embeddings_routes
 from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from service.openai.responses_api import add_responses_routes
 from service.openai.serving import OpenAIServing
-from service.tenancy.auth import KeyMiddleware, Lookup, keys_file, single_key
+from service.tenancy.auth import KeyMiddleware, Lookup, current_tenant, keys_file, single_key
 from service.tenancy.keys import KeyTable
 
 logger = logging.getLogger(__name__)
@@ -308,7 +308,9 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
         return await respond(work())
 
     async def cards() -> list[dict[str, Any]]:
-        return await app_cards() if app_cards is not None else model_cards(serving, created)
+        listed = await app_cards() if app_cards is not None else model_cards(serving, created)
+        tenant = current_tenant.get()  # a keys file's tenant sees the models it may use
+        return listed if tenant is None else [card for card in listed if tenant.allows(card["id"])]
 
     @app.get("/v1/models")
     async def models() -> Response:

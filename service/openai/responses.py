@@ -87,7 +87,7 @@ def chat_request(req: ResponsesRequest, items: list[InputItem]) -> ChatCompletio
         raise APIError("input must hold at least one item (or give previous_response_id)", param="input")
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
-    for name in ("temperature", "top_p", "parallel_tool_calls", "user"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "user", "priority"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.tools:

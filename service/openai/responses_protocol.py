@@ -212,6 +212,8 @@ class ResponsesRequest(_Model):
                         Field(max_length=MAX_METADATA_KEYS)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     store: bool = True
+    # vLLM's extension, as on chat: lower runs sooner (scheduling_policy "priority"); None: the tenant's default
+    priority: Annotated[int, Field(ge=-1_000_000, le=1_000_000)] | None = None
     previous_response_id: str | None = None
     stream: bool = False
     include: list[str] | None = None

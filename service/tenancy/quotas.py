@@ -148,7 +148,11 @@ class Quotas:
     async def _acquire(self, tenant: Tenant, prompt_tokens: int) -> Grant:
         if not self._remote:
             return self._ledger.acquire(tenant.name, tenant.limits, prompt_tokens, self.holder)
-        released, self._released = self._released, []  # given back first, not at the next report
+        # Given back first, not at the next report; a lease admitted here and not yet reported
+        # waits for that report, which registers it before it is dropped.
+        pending = {lease for lease, _, _ in self._admitted}
+        released = [lease for lease in self._released if lease not in pending]
+        self._released = [lease for lease in self._released if lease in pending]
         call = self._ledger.acquire.remote(tenant.name, tenant.limits, prompt_tokens, self.holder, released)
         try:
             return await asyncio.wait_for(_awaited(call), self.timeout_s)
