@@ -28,9 +28,9 @@ from service.http.chat_template import ChatTemplate
 from service.http.engine_call import EngineCall, OverloadPolicy
 from service.http.errors import APIError, from_value_error, overloaded_error
 from service.openai.formats import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
-from service.tenancy.auth import current_tenant
 from service.openai.protocol import (SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt,
                                      TokenizeRequest)
+from service.tenancy.auth import current_tenant
 from service.tools.answer import AnswerPlan, plan_answer
 from service.tools.formats import resolve_format
 from service.tools.reasoning import MARKER_TOKENS as REASONING_MARKERS
