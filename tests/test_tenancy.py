@@ -372,3 +372,47 @@ def test_a_lease_admitted_here_and_given_back_before_its_report_is_not_leaked() 
 
     asyncio.run(run())
     assert ledger.usage("a")["in_flight"] == 0
+
+
+def test_a_release_does_not_overtake_the_report_that_registers_its_lease() -> None:
+    ledger = QuotaLedger()
+
+    class SlowReports(RemoteLedger):
+        """Reports reach the ledger only after `gate` opens: an acquire in between goes first."""
+
+        def __init__(self) -> None:
+            super().__init__(ledger)
+            self.gate = asyncio.Event()
+
+            async def slow(*args: Any) -> Any:
+                await self.gate.wait()
+                return ledger.report(*args)
+
+            class _Slow:
+                def remote(self_inner, *args: Any) -> Any:
+                    return slow(*args)
+            self.report = _Slow()
+
+    remote = SlowReports()
+    replica = Quotas(remote)
+    tenant = parse_keys(keys_yaml(a={"max_concurrency": 8}))[hash_key("key-a")]
+
+    async def run() -> None:
+        replica.release(await replica.admit(tenant, 1), tenant)
+        remote.gate.set()
+        await replica.report()  # the allowance
+        remote.gate.clear()
+        local = await replica.admit(tenant, 1)
+        assert replica.admitted_locally == 1
+        reporting = asyncio.create_task(replica.report())  # carries the local lease, held at the gate
+        await asyncio.sleep(0)
+        replica.release(local, tenant)
+        for _ in range(4):  # past the allowance: these ask the ledger while the report waits
+            replica.release(await replica.admit(tenant, 1), tenant)
+        remote.gate.set()
+        await reporting
+        await replica.report()
+        await replica.report()
+
+    asyncio.run(run())
+    assert ledger.usage("a")["in_flight"] == 0

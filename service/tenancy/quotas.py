@@ -67,6 +67,7 @@ class Quotas:
         self._view: View | None = None  # the ledger's, from the last report
         self._view_at = 0.0
         self._admitted: list[tuple[str, str, int]] = []  # admitted here since the last report was sent
+        self._reporting: list[tuple[str, str, int]] = []  # what the report in flight carries of `_admitted`
         self._lease_ids = itertools.count()
         self.admitted_locally = 0  # requests admitted without asking the ledger
         self._limits: dict[str, Any] = {}  # the limits of the tenants seen here, sent with each report
@@ -135,7 +136,7 @@ class Quotas:
         if allowance is None or time.monotonic() - self._view_at > VIEW_TTL_S:
             return None
         mine = [0, 0, 0]  # requests, prompt tokens and requests in flight admitted here since the View
-        for _, name, tokens in self._admitted:
+        for _, name, tokens in (*self._reporting, *self._admitted):
             if name == tenant.name:
                 mine = [mine[0] + 1, mine[1] + tokens, mine[2] + 1]
         if mine[0] + 1 > allowance[0] or mine[1] + prompt_tokens > allowance[1] or mine[2] + 1 > allowance[2]:
@@ -150,7 +151,7 @@ class Quotas:
             return self._ledger.acquire(tenant.name, tenant.limits, prompt_tokens, self.holder)
         # Given back first, not at the next report; a lease admitted here and not yet reported
         # waits for that report, which registers it before it is dropped.
-        pending = {lease for lease, _, _ in self._admitted}
+        pending = {lease for lease, _, _ in (*self._admitted, *self._reporting)}
         released = [lease for lease in self._released if lease not in pending]
         self._released = [lease for lease in self._released if lease in pending]
         call = self._ledger.acquire.remote(tenant.name, tenant.limits, prompt_tokens, self.holder, released)
@@ -203,6 +204,7 @@ class Quotas:
             self._ledger.report(self.holder, tokens, released)
             return
         admitted, self._admitted = self._admitted, []
+        self._reporting = admitted  # an acquire meanwhile must not release these; they still count as mine
         try:
             view = await asyncio.wait_for(
                 _awaited(self._ledger.report.remote(self.holder, tokens, released, admitted, dict(self._limits))),
@@ -213,6 +215,8 @@ class Quotas:
             self.errors += 1
             logger.warning("quota ledger report failed: %s", type(exc).__name__)
             return
+        finally:
+            self._reporting = []
         # The View counts what this report carried; what was admitted here meanwhile is in _admitted.
         self._view, self._view_at = view, time.monotonic()
 
