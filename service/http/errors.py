@@ -46,9 +46,14 @@ class APIError(Exception):
         return json.dumps(self.body())
 
 
+def retry_after_seconds(retry_after_s: float) -> int:
+    """What a `Retry-After` header says for `retry_after_s`: whole seconds, rounded up, at least 1."""
+    return max(1, int(-(-retry_after_s // 1)))
+
+
 def overloaded_error(status: int, retry_after_s: float) -> APIError:
     """503 (or 429) telling the client to come back after `retry_after_s` seconds."""
-    seconds = max(1, int(-(-retry_after_s // 1)))  # Retry-After takes whole seconds, rounded up
+    seconds = retry_after_seconds(retry_after_s)
     return APIError(
         f"The server is overloaded: all request slots and the queue are full. Retry after {seconds} s.",
         status=status,

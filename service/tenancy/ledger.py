@@ -97,10 +97,7 @@ class QuotaLedger:
         if limits.tokens_per_minute is not None and tokens >= limits.tokens_per_minute:
             return Grant(None, "tokens_per_minute", self._tokens_free_in(u, limits.tokens_per_minute, now))
         lease = f"{holder}/{next(self._ids)}"
-        self._leases[lease] = (tenant, holder)
-        u.leases.add(lease)
-        u.requests.append(now)
-        self._add_tokens(u, prompt_tokens, now)
+        self._register(lease, tenant, holder, prompt_tokens, now)
         return Grant(lease)
 
     def report(self, holder: str, tokens: dict[str, int], released: list[str],
@@ -113,11 +110,7 @@ class QuotaLedger:
         self._seen[holder] = now
         self._allowed.pop(holder, None)  # spent: what it admitted with it is in `admitted`
         for lease, tenant, prompt_tokens in admitted:
-            u = self._usage.setdefault(tenant, _Usage())
-            self._leases[lease] = (tenant, holder)
-            u.leases.add(lease)
-            u.requests.append(now)
-            self._add_tokens(u, prompt_tokens, now)
+            self._register(lease, tenant, holder, prompt_tokens, now)
         for tenant, n in tokens.items():
             u = self._usage.setdefault(tenant, _Usage())
             self._prune(u, now)
@@ -154,6 +147,14 @@ class QuotaLedger:
             if tenant in allowed and now - given <= ALLOWANCE_TTL_S:
                 used = [n + (a if a != UNLIMITED else 0) for n, a in zip(used, allowed[tenant])]
         return used[0], used[1], used[2]
+
+    def _register(self, lease: str, tenant: str, holder: str, prompt_tokens: int, now: float) -> None:
+        """An admitted request: its lease in flight, one request and its prompt's tokens in the minute."""
+        u = self._usage.setdefault(tenant, _Usage())
+        self._leases[lease] = (tenant, holder)
+        u.leases.add(lease)
+        u.requests.append(now)
+        self._add_tokens(u, prompt_tokens, now)
 
     def _drop(self, lease: str) -> None:
         owner = self._leases.pop(lease, None)

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from service.http.errors import APIError
+from service.http.errors import APIError, retry_after_seconds
 from service.tenancy.keys import Tenant
 from service.tenancy.ledger import Grant, QuotaLedger, View
 
@@ -38,7 +38,7 @@ LIMIT_NAMES = {"requests_per_minute": "requests per minute", "tokens_per_minute"
 
 def rate_limited(tenant: Tenant, grant: Grant) -> APIError:
     """429 in the API's error shape, with `Retry-After` in whole seconds."""
-    seconds = max(1, int(-(-grant.retry_after_s // 1)))
+    seconds = retry_after_seconds(grant.retry_after_s)
     limit = getattr(tenant.limits, grant.limit or "", None)
     return APIError(f"Rate limit reached for '{tenant.name}' on {LIMIT_NAMES.get(grant.limit or '', grant.limit)} "
                     f"(limit {limit}). Retry after {seconds} s.", 429, "rate_limit_error",
@@ -77,30 +77,32 @@ class Quotas:
     async def admit(self, tenant: Tenant, prompt_tokens: int) -> str | None:
         """A lease for one request of `tenant` (None: no limit to hold it against); raises the
         429 when a limit refuses it."""
-        seen = self._requests.get(tenant.name, (0, 0))
-        self._requests[tenant.name] = (seen[0] + 1, seen[1] + prompt_tokens)  # to the metrics with the next report
-        self._ensure_reporter()
+        self._count_request(tenant.name, prompt_tokens)
         if tenant.limits.unlimited:
             return None
         self._limits[tenant.name] = tenant.limits
         lease = self._admit_locally(tenant, prompt_tokens) if self._remote else None
+        if lease is None:
+            grant = self._refused_lately(tenant.name)
+            if grant is None:
+                grant = await self._acquire(tenant, prompt_tokens)
+                if grant.limit is not None:
+                    self._refused[tenant.name] = (grant, time.monotonic())
+            if grant.limit is not None:
+                if self._metrics is not None:
+                    self._metrics.observe_tenant_rejection(tenant.name, grant.limit)
+                raise rate_limited(tenant, grant)
+            lease = grant.lease
         if lease is not None:
             self._held += 1
             self._ensure_reporter()
-            return lease
-        grant = self._refused_lately(tenant.name)
-        if grant is None:
-            grant = await self._acquire(tenant, prompt_tokens)
-            if grant.limit is not None:
-                self._refused[tenant.name] = (grant, time.monotonic())
-        if grant.limit is not None:
-            if self._metrics is not None:
-                self._metrics.observe_tenant_rejection(tenant.name, grant.limit)
-            raise rate_limited(tenant, grant)
-        if grant.lease is not None:
-            self._held += 1
-            self._ensure_reporter()
-        return grant.lease
+        return lease
+
+    def _count_request(self, name: str, prompt_tokens: int) -> None:
+        """One request of `name`, for the per-tenant metrics of the next report."""
+        seen = self._requests.get(name, (0, 0))
+        self._requests[name] = (seen[0] + 1, seen[1] + prompt_tokens)
+        self._ensure_reporter()
 
     def early_refusal(self, tenant: Tenant) -> APIError | None:
         """The 429 for a tenant refused in the last moment, before its request is even read (the
@@ -109,9 +111,7 @@ class Quotas:
         grant = self._refused_lately(tenant.name) if not tenant.limits.unlimited else None
         if grant is None:
             return None
-        seen = self._requests.get(tenant.name, (0, 0))
-        self._requests[tenant.name] = (seen[0] + 1, seen[1])  # its prompt is never read
-        self._ensure_reporter()
+        self._count_request(tenant.name, 0)  # its prompt is never read
         if self._metrics is not None:
             self._metrics.observe_tenant_rejection(tenant.name, grant.limit)
         return rate_limited(tenant, grant)
@@ -199,10 +199,10 @@ class Quotas:
 
     async def report(self) -> None:
         """Send what was counted since the last report (also the heartbeat of the leases held)."""
-        tokens, released = self._report_local_counts()
         if not self._remote:
-            self._ledger.report(self.holder, tokens, released)
+            self._report()
             return
+        tokens, released = self._report_local_counts()
         admitted, self._admitted = self._admitted, []
         self._reporting = admitted  # an acquire meanwhile must not release these; they still count as mine
         try:
@@ -221,6 +221,7 @@ class Quotas:
         self._view, self._view_at = view, time.monotonic()
 
     def _report(self) -> None:
+        """The report to this process's own ledger (no call to wait for)."""
         tokens, released = self._report_local_counts()
         self._ledger.report(self.holder, tokens, released)
 
