@@ -134,6 +134,39 @@ class GemmaOptions:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's image side: its encoder tower, how the encoder's output reaches
+    the decoder, and the prompt token that stands for one image's embeddings.
+
+    `kind` names the family's tower: "qwen2_vl" (Qwen2-VL's ViT with 2-D RoPE, 2x2 patch merger,
+    M-RoPE in the decoder) or "llava" (a CLIP or SigLIP tower plus LLaVA's two-layer projector)."""
+
+    kind: str
+    image_token_id: int
+    hidden_size: int  # the tower's width (Qwen2-VL: embed_dim)
+    depth: int  # encoder layers
+    num_heads: int
+    intermediate_size: int  # the tower's MLP width
+    patch_size: int
+    in_channels: int = 3
+    image_size: int = 0  # llava: the square input side; 0: dynamic resolution (qwen2_vl)
+    spatial_merge_size: int = 1  # qwen2_vl: patches merged per side into one token
+    temporal_patch_size: int = 1  # qwen2_vl: frames per patch (an image is repeated to fill it)
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "quick_gelu"
+    tower: str = "clip"  # llava: "clip" or "siglip"
+    feature_layer: int = -2  # llava: the tower's hidden state fed to the projector
+    feature_select: str = "default"  # llava: "default" drops CLIP's class token, "full" keeps it
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    vision_start_token_id: int | None = None  # qwen2_vl: M-RoPE places each image after this token
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("qwen2_vl", "llava"):
+            raise ValueError(f"vision kind must be qwen2_vl or llava, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and flavour of a decoder-only Transformer.
 
@@ -175,6 +208,11 @@ class ModelConfig:
     gemma: GemmaOptions | None = None  # arch "gemma2" / "gemma3"
     moe: MoEConfig | None = None  # arch "moe": the experts that replace the dense MLP
     attention_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax
+    # Vision-language models (model/multimodal/): the image encoder; None: text only.
+    vision: VisionConfig | None = None
+    # Qwen2-VL's M-RoPE: the head's rotary half split into (temporal, height, width) sections, each
+    # rotated by its own axis of the (3, T) positions; None: ordinary RoPE.
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # from our own config.json
@@ -183,6 +221,10 @@ class ModelConfig:
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if isinstance(self.gemma, dict):
             object.__setattr__(self, "gemma", GemmaOptions(**self.gemma))
+        if isinstance(self.vision, dict):
+            object.__setattr__(self, "vision", VisionConfig(**self.vision))
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.n_layers:
@@ -367,6 +409,10 @@ class EngineConfig:
     pipeline_parallel_size: int = described(1, "Pipeline stages: only 1 (pipeline parallelism is not "
                                                "implemented).")
     tp_worker_num_cpus: float = described(1.0, "CPUs each tensor-parallel worker actor takes.")
+    encoder_cache_size: int = described(
+        8192, "Vision models: image embeddings (tokens) the encoder-output cache keeps, least recently used "
+              "evicted; an image in it is not encoded again (a long prefill's later chunks, a preempted "
+              "request, the same image in another request).")
 
     def __post_init__(self) -> None:
         from model.engine.spec_decode.config import SpeculativeConfig  # noqa: PLC0415 (model.engine imports this module)
@@ -376,6 +422,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.encoder_cache_size < 0:
+            raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 < self.kv_cache_fraction <= 0.95:

@@ -15,6 +15,7 @@ from model.engine.engine import Engine
 from model.engine.sequence import TokenLogprob
 from model.inspect.attention_maps import AttentionMaps
 from model.inspect.attention_spec import AttentionSpec
+from model.multimodal.inputs import MultiModalInputs
 from model.sampling.params import SamplingParams
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -72,12 +73,14 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  lora: str | Seq[str | None] | None = None,
                  priority: Seq[int] | None = None) -> list[CompletionOutput]:
-        """Generate for every prompt (a string or a list of token ids); `params` is one
+        """Generate for every prompt (a string, a list of token ids, or vLLM's dict with images:
+        `{"prompt": str | list[int], "multi_modal_data": {"image": PIL image or a list}}`, whose
+        prompt holds the model's image token once per image); `params` is one
         `SamplingParams` for all prompts or one per prompt (None: `get_default_sampling_params()`).
         `lora`: a LoRA adapter's name (EngineConfig.lora_modules, or `base:adapter`) for all prompts
         or one per prompt (None: the base model). `priority`: one per prompt, as vLLM's (lower first;
         needs scheduling_policy="priority"; None: all 0). Outputs come in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.get_default_sampling_params()] * len(prompts)
@@ -91,9 +94,9 @@ class LLM:
         order = []
         try:
             for prompt, p, adapter, prio in zip(prompts, params, loras, priorities, strict=True):
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids, mm = self._prompt(prompt)
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p, lora=adapter, priority=prio)
+                self.engine.add_request(rid, ids, p, lora=adapter, priority=prio, mm=mm)
                 outs[rid] = CompletionOutput(ids, logprobs=[] if p.logprobs is not None else None)
                 order.append(rid)
         except Exception:
@@ -115,6 +118,19 @@ class LLM:
                 if delta.finished:
                     out.finish_reason = delta.finish_reason
         return [outs[r] for r in order]
+
+    def _prompt(self, prompt: str | list[int] | dict) -> tuple[list[int], MultiModalInputs | None]:
+        """A prompt's token ids (images expanded) and its images."""
+        if not isinstance(prompt, dict):
+            return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), None
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"a prompt dict takes prompt or prompt_token_ids, and multi_modal_data; got {sorted(unknown)}")
+        text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        return self.engine.process_images(ids, images) if images else (ids, None)
 
     def attention(self, prompt: str | list[int], layers: Seq[int] | None = None, heads: Seq[int] | None = None,
                   rows: str | Seq[int] = "all", max_tokens: int = 0, scale: str = "sqrt_dk") -> torch.Tensor:

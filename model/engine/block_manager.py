@@ -207,7 +207,7 @@ class BlockManager:
     def hashes(self, seq: Sequence) -> list[bytes]:
         """The hashes of `seq`'s full blocks (computed once, extended as tokens are added)."""
         if len(seq.token_ids) // self.block_size > len(seq.block_hashes):
-            seq.block_hashes = block_hashes(seq.token_ids, self.block_size,
+            seq.block_hashes = block_hashes(seq.hash_token_ids(), self.block_size,
                                             sequence_salt(self.salt, seq.lora, seq.rope_len), seq.block_hashes)
         return seq.block_hashes
 

@@ -32,6 +32,8 @@ from model.loading.lora import LoraManager
 from model.loading.pooling_config import read_pooling_config
 from model.loading.quantize import QuantScheme, head_scheme, on_the_fly_scheme, quantization_of, set_int8_activations
 from model.loading.tokenizer import IncrementalDetokenizer
+from model.multimodal.inputs import MultiModalInputs
+from model.multimodal.processor import ImageInputError, ImageProcessor
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
 from model.sampling.sampler import SamplingRow
@@ -139,7 +141,8 @@ class Engine:
                             self.kv_cache_dtype, self.device)
             self.runner = ModelRunner(net, cache, self.device, self.config.attention_backend,
                                       self.config.enforce_eager, scratch_block=num_blocks,
-                                      max_num_seqs=self.config.max_num_seqs, max_model_len=max_len)
+                                      max_num_seqs=self.config.max_num_seqs, max_model_len=max_len,
+                                      encoder_cache_size=self.config.encoder_cache_size)
         self.lora: LoraManager | None = None  # LoRA adapters over this model (model/loading/lora.py)
         if ec.lora_modules or ec.lora_dynamic_path:
             self.lora = LoraManager(net, None if source in PRESETS else source, model, ec.lora_modules,
@@ -184,6 +187,7 @@ class Engine:
                                    self.quant_scheme.method if self.quant_scheme else "none")
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(self.tokenizer.eos_token_ids))
+        self.image_processor = self._image_processor(cfg, source)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
         self.spec = _spec_decoder(self.config.speculative_config, cfg.vocab_size, self._eos_ids, num_blocks,
@@ -230,7 +234,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, lora: str | None = None, priority: int = 0,
-                    tenant: str | None = None) -> None:
+                    tenant: str | None = None, mm: MultiModalInputs | None = None) -> None:
         """Queue a request. Raises ValueError for an id in use, a request that fails
         `model.sampling.request_checks.check_request` (a `RequestError` naming the parameter), one
         needing more KV blocks than the pool has, or a structured-output constraint that does not
@@ -245,8 +249,11 @@ class Engine:
         allowed); any other value than 0 is a ValueError under "fcfs". `tenant`: whom the request is
         for (an API key, a user; None: a group of its own): a waiting request whose tenant has fewer
         running requests is admitted before a busier tenant's. `arrival_time` (time.monotonic()):
-        what first come, first served and priority aging count from; None: now."""
+        what first come, first served and priority aging count from; None: now. `mm`: the prompt's
+        images, from `process_images` (whose expanded prompt `prompt_token_ids` must be)."""
         self._validate(request_id, prompt_token_ids, params)
+        if mm is not None:
+            self._check_images(prompt_token_ids, mm)
         self._check_priority(priority, tenant)
         if lora is not None:
             if self.lora is None:
@@ -257,6 +264,8 @@ class Engine:
         arrival = arrival_time or time.monotonic()
         seq = Sequence(request_id, list(prompt_token_ids), params, lora=lora, priority=priority, tenant=tenant,
                        arrival_time=arrival)
+        if mm is not None and mm.images:
+            seq.mm, seq.mm_hash_keys = mm, mm.hash_keys()
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -314,6 +323,33 @@ class Engine:
         elif req.seq.lora_slot >= 0:
             self.lora.release(req.seq.lora)
             req.seq.lora_slot = -1
+
+    def _image_processor(self, cfg: ModelConfig, source: str) -> ImageProcessor | None:
+        """A vision model's image processor (its checkpoint's own); None for a text model."""
+        if cfg.vision is None:
+            return None
+        if self.runner.model is None:
+            raise ValueError("vision models do not run with tensor_parallel_size > 1 yet")
+        return ImageProcessor.from_directory(source, cfg.vision)
+
+    def process_images(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], MultiModalInputs]:
+        """The prompt with each image placeholder expanded to its image's tokens, and the images as
+        `add_request(mm=...)` takes them (model/multimodal/processor.py). ValueError for a text model or
+        placeholders that do not pair with the images. Pure CPU work off the step: a server calls it
+        on another thread."""
+        if self.image_processor is None:
+            raise ImageInputError(f"model {self.model_name!r} does not take images (it has no vision encoder)")
+        return self.image_processor.process(prompt_token_ids, images)
+
+    def _check_images(self, prompt: list[int], mm: MultiModalInputs) -> None:
+        if self.image_processor is None:
+            raise ImageInputError(f"model {self.model_name!r} does not take images (it has no vision encoder)")
+        token = self.model_config.vision.image_token_id
+        covered = sum(im.length for im in mm.images)
+        if any(im.end > len(prompt) or any(t != token for t in prompt[im.offset:im.end]) for im in mm.images) \
+                or sum(t == token for t in prompt) != covered:
+            raise ImageInputError("the images' token ranges do not match the prompt's image tokens "
+                                  "(expand the prompt with process_images)")
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

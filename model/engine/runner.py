@@ -27,6 +27,8 @@ from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.layers.lora import LoraBatch, LoraState
 from model.layers.paged_attention import paged_decode_attention, paged_prefill_attention, use_fused
 from model.models.transformer import Transformer
+from model.multimodal.encoder_cache import EncoderCache
+from model.multimodal.step import image_embeds, mrope_positions
 from model.sampling.sampler import SamplingRow, prompt_token_logprobs, sample
 
 logger = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, cache: KVCache, device: torch.device, attention_backend: str = "auto",
                  enforce_eager: bool | None = True, scratch_block: int | None = None, max_num_seqs: int = 1,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, encoder_cache_size: int = 8192) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -163,6 +165,9 @@ class ModelRunner:
         self.flex = FlexPagedAttention(cache.num_blocks, cache.block_size, device)
         self.graphs: DecodeGraphs | None = None
         self.lora: LoraState | None = None  # the engine's, when it serves LoRA adapters
+        # Vision models (those with `encode_image`): image embeddings by image hash.
+        vision = getattr(model, "encode_image", None) is not None
+        self.encoder_cache = EncoderCache(encoder_cache_size) if vision else None
         if enforce_eager is None:  # static buffers pay for themselves only with a graph to replay
             enforce_eager = device.type != "cuda"
         if not enforce_eager and scratch_block is not None:
@@ -203,6 +208,10 @@ class ModelRunner:
         self.set_kernels(meta)
         if self.lora is not None:  # each flat row's adapter slot (-1: the base model)
             meta.lora = LoraBatch.of([s.seq.lora_slot for s, _ in spans for _ in range(s.num_new_tokens)], self.device)
+        if self.encoder_cache is not None:
+            meta.mm_embeds = image_embeds(spans, self.encoder_cache, self.model.encode_image, self.device)
+            if self.model.cfg.mrope_section is not None:
+                meta.mrope_positions = mrope_positions(spans, tokens.shape[0], self.device)
         return tokens, positions, meta, sample_idx, spans
 
     @torch.inference_mode()
@@ -283,7 +292,8 @@ class DecodeGraphs:
 
     def takes(self, meta: AttnMetadata) -> bool:
         """Whether this step runs here: decode only, within the largest bucket and the table width."""
-        return (not meta.prefills and meta.capture is None and 0 < meta.num_decode <= self.buckets[-1]
+        return (not meta.prefills and meta.capture is None and meta.mrope_positions is None
+                and 0 < meta.num_decode <= self.buckets[-1]
                 and meta.decode_block_tables is not None and meta.decode_block_tables.shape[1] <= self.width)
 
     def bucket(self, b: int) -> int:

@@ -98,10 +98,26 @@ class Sequence:
     priority: int = 0
     tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Images (model.multimodal.inputs.MultiModalInputs): their pixels, where their placeholder
+    # tokens sit in the prompt, their hashes and (Qwen2-VL) the M-RoPE positions; None: text only.
+    mm: Any = None
+    # (offset, length, key) of each image, for the block hashes (`hash_token_ids`).
+    mm_hash_keys: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def hash_token_ids(self) -> list[int]:
+        """`token_ids` as the prefix cache names them: an image's placeholder tokens replaced by its
+        key (a hash of its pixels), so a block holding an image matches only the same image."""
+        ids = self.token_ids
+        if not self.mm_hash_keys:
+            return ids
+        ids = list(ids)
+        for offset, length, key in self.mm_hash_keys:
+            ids[offset:offset + length] = [key] * length
+        return ids
 
     @property
     def num_tokens(self) -> int:

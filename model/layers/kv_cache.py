@@ -53,6 +53,12 @@ class AttnMetadata:
     # (T,) long: dynamic NTK / LongRoPE rows rotated as in a sequence of at least that many tokens
     # (prefill rows of a sequence longer than the original context; 0: by position); None: all by position.
     rope_len: torch.Tensor | None = None
+    # Vision-language models: image embeddings that replace the token embeddings of their placeholder
+    # rows, as (rows (N,) long, embeddings (N, d_model)); None: every row embeds its token.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # M-RoPE (Qwen2-VL): (3, T) long (temporal, height, width) positions of every row; None: each
+    # row's position on all three axes.
+    mrope_positions: torch.Tensor | None = None
     # decode_window_mask's masks, one per sliding-window size in use this step.
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
