@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 AttentionKind = Literal["dot", "additive"]
-Arch = Literal["transformer", "gpt2", "llama", "moe", "gpt_oss", "gemma2", "gemma3", "phi3"]
+Arch = Literal["transformer", "gpt2", "llama", "moe", "gpt_oss", "gemma2", "gemma3", "phi3", "qwen2_vl", "llava"]
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")

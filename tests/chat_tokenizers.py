@@ -259,6 +259,30 @@ MISTRAL_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
 {%- endfor %}
 """
 
+# Qwen2-VL's ChatML: a content list renders text parts as they are and each image part (as HF's
+# processors pass them: {"type": "image"}, or a part with an "image" / "image_url" key) as the
+# vision markers around one <|image_pad|>, which the engine expands to the image's tokens.
+QWEN2_VL_TEMPLATE = """{%- for message in messages %}
+    {%- if loop.first and message['role'] != 'system' %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+    {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- if message['content'] is string %}
+        {{- message['content'] }}
+    {%- else %}
+        {%- for part in message['content'] %}
+            {%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif 'text' in part %}
+                {{- part['text'] }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
 # style -> special tokens (ids from 0, in this order: append new ones), non-special added tokens,
 # bos, eos, pad, generation-config eos, template, whether the post-processor prepends BOS
 STYLES: dict[str, dict[str, Any]] = {
@@ -274,6 +298,11 @@ STYLES: dict[str, dict[str, Any]] = {
               "added": ["<think>", "</think>", "<tool_call>", "</tool_call>"],
               "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
               "generation_eos": ["<|im_end|>", "<|endoftext|>"], "template": QWEN3_TEMPLATE, "prepend_bos": False},
+    "qwen2_vl": {"special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                             "<|image_pad|>", "<|video_pad|>"], "added": [],
+                 "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
+                 "generation_eos": ["<|im_end|>", "<|endoftext|>"], "template": QWEN2_VL_TEMPLATE,
+                 "prepend_bos": False},
     "mistral": {"special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                             "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
                 "added": [], "bos": "<s>", "eos": "</s>", "pad": None, "generation_eos": ["</s>"],

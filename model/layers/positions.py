@@ -175,6 +175,16 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
+    def mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, section: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen2-VL's multimodal RoPE: positions (3, T) (temporal, height, width) -> cos, sin
+        (T, 1, rotary_dim). The d/2 frequencies are cut into `section` runs, run i rotated by axis
+        i % 3's position (HF's recomposition)."""
+        freqs = positions[..., None].float() * self.inv_freq.on(positions.device)  # (3, T, d/2)
+        freqs = torch.cat([part[i % 3] for i, part in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, d)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (T, H, d) rotated by its position: x cos + rotate_half(x) sin, over the first

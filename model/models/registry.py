@@ -17,8 +17,10 @@ from model.models.gemma import GEMMA_FAMILY, GemmaForCausalLM
 from model.models.gpt2 import GPT2
 from model.models.gpt_oss import GPT_OSS, GptOssForCausalLM
 from model.models.llama import LLAMA_FAMILY, LlamaForCausalLM
+from model.models.llava import LLAVA, LlavaForConditionalGeneration
 from model.models.mixtral import MIXTRAL, MoEForCausalLM
 from model.models.phi3 import PHI3, Phi3ForCausalLM
+from model.models.qwen2_vl import QWEN2_VL, Qwen2VLForConditionalGeneration
 from model.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from model.models.transformer import QKV, QKV_ARCHITECTURE, Transformer
 from model.models.weight_map import ArchitectureSpec, CheckpointError
@@ -34,13 +36,16 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "GptOssForCausalLM": GPT_OSS,
     **GEMMA_FAMILY,
     "Phi3ForCausalLM": PHI3,
+    "Qwen2VLForConditionalGeneration": QWEN2_VL,
+    "LlavaForConditionalGeneration": LLAVA,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"transformer": Transformer, "gpt2": Transformer,
                                              "llama": LlamaForCausalLM, "moe": MoEForCausalLM, "gpt_oss": GptOssForCausalLM,
                                              "gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM,
-                                             "phi3": Phi3ForCausalLM}
+                                             "phi3": Phi3ForCausalLM, "qwen2_vl": Qwen2VLForConditionalGeneration,
+                                             "llava": LlavaForConditionalGeneration}
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
