@@ -14,6 +14,7 @@ from model.engine.engine import Engine
 from model.config import EngineConfig
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.llm import LLM
+from model.inspect.attention_spec import AttentionSpec
 from model.loading.checkpoint import load_model
 from model.multimodal.processor import ImageInputError
 from model.sampling.params import SamplingParams
@@ -175,3 +176,22 @@ def test_bad_image_inputs_are_clear_errors(vl_dir: Path, llm: LLM, tmp_path: Pat
     text = LLM(str(save_tiny_gpt2(tmp_path / "gpt2")), dtype="float32")
     with pytest.raises(ImageInputError, match="does not take images"):
         text.generate({"prompt": [1, 2], "multi_modal_data": {"image": random_image(1)}}, GREEDY)
+
+
+def test_attention_maps_locate_the_image_patches(vl_dir: Path, llm: LLM) -> None:
+    """The attention explorer's data: maps over a prompt with an image equal a recompute by hand
+    (HF's eager attention weights), and say where the image's patch grid sits among the keys."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    pic = random_image(50, 112, 84)
+    ids, mm = llm.engine.process_images(PROMPT_1, [pic])
+    llm.engine.add_request("att", ids, SamplingParams(max_tokens=1, temperature=0.0, attention=AttentionSpec()), mm=mm)
+    maps = None
+    while llm.engine.has_unfinished():
+        maps = next((d.attention for d in llm.engine.step() if d.finished), maps)
+    (offset, length, rows, cols), = maps.images
+    assert (offset, length) == (mm.images[0].offset, mm.images[0].length) and rows * cols == length == 12
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(str(vl_dir), attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(**hf_qwen2_vl_inputs(vl_dir, ids, [pic]), output_attentions=True).attentions
+    torch.testing.assert_close(maps.weights, torch.stack([a[0] for a in ref]), atol=1e-5, rtol=0)

@@ -24,7 +24,7 @@ from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLo
 from model.engine.spec_decode.config import SpeculativeConfig
 from model.engine.spec_decode.decoder import SpecDecoder
 from model.engine.spec_decode.draft import DraftProposer
-from model.inspect.attention_maps import capture_attention
+from model.inspect.attention_maps import AttentionMaps, capture_attention
 from model.inspect.attention_spec import AttentionShape, check_attention
 from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
@@ -34,6 +34,7 @@ from model.loading.quantize import QuantScheme, head_scheme, on_the_fly_scheme, 
 from model.loading.tokenizer import IncrementalDetokenizer
 from model.multimodal.inputs import MultiModalInputs
 from model.multimodal.processor import ImageInputError, ImageProcessor
+from model.multimodal.step import span_embeds, span_positions
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
 from model.sampling.sampler import SamplingRow
@@ -567,9 +568,22 @@ class Engine:
         out.stop_reason = stop_reason
         if p.attention is not None:  # the explicit recompute, for this request only
             keep = seq.num_prompt_tokens + p.attention.max_tokens
-            out.attention = capture_attention(self.runner.model, self.attention_shape, seq.token_ids[:keep],
-                                              p.attention, self.config.block_size)
+            out.attention = self._capture_attention(seq, keep)
         return out
+
+    def _capture_attention(self, seq: Sequence, keep: int) -> AttentionMaps:
+        """The explicit recompute of an attention request's first `keep` tokens, images in place."""
+        model, embeds, positions = self.runner.model, None, None
+        if seq.mm is not None:
+            rows, parts = span_embeds(seq.mm, 0, keep, self.runner.encoder_cache, model.encode_image)
+            embeds = (torch.cat(rows).to(self.device), torch.cat(parts)) if rows else None
+            if self.model_config.mrope_section is not None:
+                positions = span_positions(seq.mm, 0, keep).to(self.device)
+        maps = capture_attention(model, self.attention_shape, seq.token_ids[:keep], seq.params.attention,
+                                 self.config.block_size, embeds, positions)
+        if seq.mm is not None:
+            maps.images = [(im.offset, im.length, *im.grid) for im in seq.mm.images]
+        return maps
 
     def _delta(self, req: _Request, text: str, toks: list[int], lps: list[TokenLogprob],
                token_times: list[float]) -> RequestOutput:

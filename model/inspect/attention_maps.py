@@ -22,7 +22,7 @@ position, or outside its window, get weight exactly 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,9 @@ class AttentionMaps:
     weights: torch.Tensor  # (L, H, R, S)
     score_std: torch.Tensor  # (L, H)
     entropy: torch.Tensor  # (L, H)
+    # Vision models: each image's (offset, length, rows, cols) among the tokens (ImageItem.grid:
+    # token offset + j shows patch j - (length - rows * cols) of the row-major grid).
+    images: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class AttentionCapture:
@@ -138,9 +141,11 @@ def _masked_std(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def capture_attention(model: torch.nn.Module, shape: AttentionShape, token_ids: list[int], spec: AttentionSpec,
-                      block_size: int = 16) -> AttentionMaps:
+                      block_size: int = 16, mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      mrope_positions: torch.Tensor | None = None) -> AttentionMaps:
     """Run `token_ids` through `model` once (a private cache; the engine's is not touched) and
-    return the weights `spec` asks for."""
+    return the weights `spec` asks for. A vision model's images come in as the step metadata's
+    `mm_embeds` and `mrope_positions` (model/layers/kv_cache.py)."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     layers, heads = spec.resolve_layers(shape), spec.resolve_heads(shape)
@@ -151,7 +156,8 @@ def capture_attention(model: torch.nn.Module, shape: AttentionShape, token_ids: 
     cache = KVCache(shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.d_head, dtype, device)
     table = torch.arange(num_blocks, dtype=torch.long, device=device)
     meta = AttnMetadata(slot_mapping=torch.arange(n, dtype=torch.long, device=device),
-                        prefills=[PrefillChunk(0, n, n, table)], capture=capture)
+                        prefills=[PrefillChunk(0, n, n, table)], capture=capture, mm_embeds=mm_embeds,
+                        mrope_positions=mrope_positions)
     tokens = torch.tensor(token_ids, dtype=torch.long, device=device)
     model(tokens, torch.arange(n, dtype=torch.long, device=device), meta, cache)
     return AttentionMaps(

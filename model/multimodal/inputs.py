@@ -24,6 +24,9 @@ class ImageItem:
     offset: int
     length: int
     data: dict[str, torch.Tensor] = field(repr=False)
+    # (rows, cols) of the patches (after any merge), row-major: the image's token j shows patch
+    # j - (length - rows * cols); a negative index is not a patch (CLIP's class token).
+    grid: tuple[int, int] = (0, 0)
 
     @property
     def end(self) -> int:

@@ -49,8 +49,18 @@ class ImageProcessor:
         if v.kind == "qwen2_vl":
             return int(data["image_grid_thw"].prod()) // (v.spatial_merge_size ** 2)
         h, w = data["pixel_values"].shape[-2:]
-        cls_token = v.tower == "clip" and v.feature_select == "full"
-        return (h // v.patch_size) * (w // v.patch_size) + int(cls_token)
+        # CLIP prepends a class token; "default" drops the first token (the class token, or as HF does
+        # for a SigLIP tower, its first patch)
+        return (h // v.patch_size) * (w // v.patch_size) + int(v.tower == "clip") - int(v.feature_select == "default")
+
+    def patch_grid(self, data: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(rows, cols) of the patches (merged ones for Qwen2-VL) one processed image is cut into."""
+        v = self.vision
+        if v.kind == "qwen2_vl":
+            _, h, w = (int(x) for x in data["image_grid_thw"][0])
+            return h // v.spatial_merge_size, w // v.spatial_merge_size
+        h, w = data["pixel_values"].shape[-2:]
+        return h // v.patch_size, w // v.patch_size
 
     def preprocess(self, image: Any) -> dict[str, torch.Tensor]:
         """One decoded PIL image -> the processor's tensors for it."""
@@ -73,7 +83,7 @@ class ImageProcessor:
             data = self.preprocess(image)
             n = self.num_tokens(data)
             ids.extend(prompt_token_ids[prev:place])
-            items.append(ImageItem(image_hash(image), len(ids), n, data))
+            items.append(ImageItem(image_hash(image), len(ids), n, data, self.patch_grid(data)))
             ids.extend([token] * n)
             prev = place + 1
         ids.extend(prompt_token_ids[prev:])

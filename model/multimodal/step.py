@@ -11,26 +11,46 @@ import torch
 
 from model.engine.scheduler import ScheduledSeq
 from model.multimodal.encoder_cache import EncoderCache
+from model.multimodal.inputs import MultiModalInputs
+
+Encode = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
 
-def image_embeds(spans: list[tuple[ScheduledSeq, int]], cache: EncoderCache,
-                 encode: Callable[[dict[str, torch.Tensor]], torch.Tensor], device: torch.device
+def span_embeds(mm: MultiModalInputs, start: int, stop: int, cache: EncoderCache, encode: Encode
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The image rows among positions [start, stop) of one sequence (as offsets from `start`) and
+    their embeddings, one pair of tensors per image they touch."""
+    rows, embeds = [], []
+    for image in mm.images:
+        lo, hi = max(start, image.offset), min(stop, image.end)
+        if lo < hi:
+            out = cache.get(image, encode)  # (length, d_model)
+            embeds.append(out[lo - image.offset:hi - image.offset])
+            rows.append(torch.arange(lo - start, hi - start))
+    return rows, embeds
+
+
+def span_positions(mm: MultiModalInputs | None, start: int, stop: int) -> torch.Tensor:
+    """(3, stop - start) M-RoPE positions of one sequence's positions [start, stop): the prompt's
+    from its table, later tokens their index plus the prompt's delta on all three axes."""
+    if mm is None or mm.positions is None:
+        return torch.arange(start, stop).expand(3, -1)
+    k = max(0, min(stop, mm.positions.shape[1]) - start)  # of them inside the prompt
+    after = (torch.arange(start + k, stop) + mm.rope_delta).expand(3, -1)
+    return torch.cat([mm.prompt_positions(start, start + k), after], dim=1)
+
+
+def image_embeds(spans: list[tuple[ScheduledSeq, int]], cache: EncoderCache, encode: Encode, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(flat rows (N,), embeddings (N, d_model)) of the image tokens this step computes; None: none."""
     rows: list[torch.Tensor] = []
     embeds: list[torch.Tensor] = []
     for s, first in spans:
-        if s.seq.mm is None:
-            continue
-        start = s.seq.num_computed_tokens
-        stop = start + s.num_new_tokens
-        for image in s.seq.mm.images:
-            lo, hi = max(start, image.offset), min(stop, image.end)
-            if lo >= hi:
-                continue
-            out = cache.get(image, encode)  # (length, d_model)
-            embeds.append(out[lo - image.offset:hi - image.offset])
-            rows.append(torch.arange(first + lo - start, first + hi - start))
+        if s.seq.mm is not None:
+            start = s.seq.num_computed_tokens
+            r, e = span_embeds(s.seq.mm, start, start + s.num_new_tokens, cache, encode)
+            rows.extend(x + first for x in r)
+            embeds.extend(e)
     if not rows:
         return None
     return torch.cat(rows).to(device), torch.cat(embeds)
@@ -43,13 +63,6 @@ def mrope_positions(spans: list[tuple[ScheduledSeq, int]], num_rows: int, device
         return None
     out = torch.empty(3, num_rows, dtype=torch.long)
     for s, first in spans:
-        start, n, mm = s.seq.num_computed_tokens, s.num_new_tokens, s.seq.mm
-        if mm is None or mm.positions is None:
-            out[:, first:first + n] = torch.arange(start, start + n)
-            continue
-        prompt = mm.positions.shape[1]
-        k = max(0, min(start + n, prompt) - start)  # rows of this span inside the prompt
-        if k:
-            out[:, first:first + k] = mm.prompt_positions(start, start + k)
-        out[:, first + k:first + n] = torch.arange(start + k, start + n) + mm.rope_delta
+        start, n = s.seq.num_computed_tokens, s.num_new_tokens
+        out[:, first:first + n] = span_positions(s.seq.mm, start, start + n)
     return out.to(device)
