@@ -195,3 +195,14 @@ def test_attention_maps_locate_the_image_patches(vl_dir: Path, llm: LLM) -> None
     with torch.no_grad():
         ref = hf(**hf_qwen2_vl_inputs(vl_dir, ids, [pic]), output_attentions=True).attentions
     torch.testing.assert_close(maps.weights, torch.stack([a[0] for a in ref]), atol=1e-5, rtol=0)
+
+
+def test_int8_quantizes_the_decoder_not_the_vision_tower(vl_dir: Path, llm: LLM) -> None:
+    from model.layers.linear.quantized import QuantizedLinear
+
+    q = LLM(str(vl_dir), dtype="float32", quantization="int8", quantization_group_size=32)
+    net = q.engine.runner.model
+    assert isinstance(net.layers[0].self_attn.q_proj, QuantizedLinear)
+    assert not any(isinstance(m, QuantizedLinear) for m in net.visual.modules())
+    prompt = {"prompt": PROMPT_1, "multi_modal_data": {"image": random_image(60)}}
+    assert len(q.generate(prompt, GREEDY)[0].token_ids) == 32

@@ -103,9 +103,13 @@ def checkpoint_scheme(raw: dict[str, Any], where: str) -> QuantScheme | None:
 
 def _targets(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
     """(path, parent, attribute, layer) of every nn.Linear but the model's own LM head (which
-    `compute_logits` reads as a matrix; see `quantize_head`)."""
+    `compute_logits` reads as a matrix; see `quantize_head`) and those under the model's
+    `float_prefixes` (a vision tower, which stays in float as vLLM keeps it)."""
     out = []
+    floats = tuple(getattr(model, "float_prefixes", ()))
     for name, parent in model.named_modules():
+        if floats and f"{name}.".startswith(floats):
+            continue
         for attr, child in parent.named_children():
             if isinstance(child, nn.Linear) and (name or attr not in HEAD_NAMES):
                 out.append((f"{name}.{attr}".lstrip("."), parent, attr, child))

@@ -25,6 +25,8 @@ from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpe
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     """The Llama-family decoder with M-RoPE and a vision tower (`visual`)."""
 
+    float_prefixes = ("visual.",)  # quantization (int8/int4) is for the decoder; the tower stays float
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         assert cfg.vision is not None and cfg.mrope_section is not None
