@@ -160,10 +160,15 @@ class VisionConfig:
     projector_act: str = "gelu"
     projector_bias: bool = True
     vision_start_token_id: int | None = None  # qwen2_vl: M-RoPE places each image after this token
+    # Qwen2.5-VL's tower (RMSNorm, gated MLP): attention inside windows of this many pixels a side,
+    # except in `full_attention_blocks`; 0: Qwen2-VL's (LayerNorm, plain MLP, whole frames).
+    window_size: int = 0
+    full_attention_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("qwen2_vl", "llava"):
             raise ValueError(f"vision kind must be qwen2_vl or llava, got {self.kind!r}")
+        object.__setattr__(self, "full_attention_blocks", tuple(self.full_attention_blocks))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""Qwen2-VL against HF transformers on a tiny random checkpoint saved by transformers with its
+"""Qwen2-VL and Qwen2.5-VL against HF transformers on a tiny random checkpoint saved by transformers with its
 image processor: logits, greedy tokens alone, in a mixed batch, chunked, preempted, and through
 the prefix and encoder caches (images keyed by their pixels)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -27,16 +28,20 @@ PROMPT_2 = [1, 40] + IMAGE + [60, 61] + IMAGE + [70, 71, 72]  # two images
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
+@pytest.fixture(scope="module", params=["2", "2.5"], ids=["qwen2-vl", "qwen2.5-vl"])
+def vl_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"), version=request.param)
+
+
+def hf_class(directory: Path):
+    import transformers
+
+    return getattr(transformers, json.loads((directory / "config.json").read_text())["architectures"][0])
 
 
 @pytest.fixture(scope="module")
 def hf_model(vl_dir: Path):
-    from transformers import Qwen2VLForConditionalGeneration
-
-    return Qwen2VLForConditionalGeneration.from_pretrained(str(vl_dir)).eval()
+    return hf_class(vl_dir).from_pretrained(str(vl_dir)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +186,6 @@ def test_bad_image_inputs_are_clear_errors(vl_dir: Path, llm: LLM, tmp_path: Pat
 def test_attention_maps_locate_the_image_patches(vl_dir: Path, llm: LLM) -> None:
     """The attention explorer's data: maps over a prompt with an image equal a recompute by hand
     (HF's eager attention weights), and say where the image's patch grid sits among the keys."""
-    from transformers import Qwen2VLForConditionalGeneration
-
     pic = random_image(50, 112, 84)
     ids, mm = llm.engine.process_images(PROMPT_1, [pic])
     llm.engine.add_request("att", ids, SamplingParams(max_tokens=1, temperature=0.0, attention=AttentionSpec()), mm=mm)
@@ -191,7 +194,7 @@ def test_attention_maps_locate_the_image_patches(vl_dir: Path, llm: LLM) -> None
         maps = next((d.attention for d in llm.engine.step() if d.finished), maps)
     (offset, length, rows, cols), = maps.images
     assert (offset, length) == (mm.images[0].offset, mm.images[0].length) and rows * cols == length == 12
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(str(vl_dir), attn_implementation="eager").eval()
+    hf = hf_class(vl_dir).from_pretrained(str(vl_dir), attn_implementation="eager").eval()
     with torch.no_grad():
         ref = hf(**hf_qwen2_vl_inputs(vl_dir, ids, [pic]), output_attentions=True).attentions
     torch.testing.assert_close(maps.weights, torch.stack([a[0] for a in ref]), atol=1e-5, rtol=0)

@@ -1,4 +1,4 @@
-"""Qwen2-VL (and Qwen2.5-VL's decoder side): a Qwen2 decoder whose rotary positions are three
+"""Qwen2-VL and Qwen2.5-VL: a Qwen2 decoder whose rotary positions are three
 (M-RoPE: temporal, height, width), fed image embeddings from its own vision tower
 (qwen2_vl_vision.py) in place of the image's placeholder tokens.
 
@@ -72,18 +72,30 @@ def parse_qwen2_vl(raw: dict[str, Any], has_tokenizer: bool) -> ModelConfig:
     text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     text.setdefault("vocab_size", raw.get("vocab_size"))
     cfg = _qwen2(text, has_tokenizer)
-    vc = raw["vision_config"]
-    vision = VisionConfig(
-        kind="qwen2_vl", image_token_id=int(raw["image_token_id"]), hidden_size=vc["embed_dim"], depth=vc["depth"],
-        num_heads=vc["num_heads"], intermediate_size=int(vc["embed_dim"] * vc.get("mlp_ratio", 4)),
-        patch_size=vc.get("patch_size", 14), in_channels=vc.get("in_channels", 3),
-        spatial_merge_size=vc.get("spatial_merge_size", 2), temporal_patch_size=vc.get("temporal_patch_size", 2),
-        hidden_act=vc.get("hidden_act", "quick_gelu"), vision_start_token_id=raw.get("vision_start_token_id"))
+    vision = _vision_config(raw, raw["vision_config"])
     if sum(section) * 2 != cfg.d_head:
         raise CheckpointError(f"mrope_section {section} must cover half of head_dim {cfg.d_head}")
-    if vc.get("hidden_size", cfg.d_model) != cfg.d_model:
-        raise CheckpointError(f"vision_config.hidden_size {vc['hidden_size']} must equal the decoder's {cfg.d_model}")
+    out = raw["vision_config"].get("out_hidden_size" if vision.window_size else "hidden_size", cfg.d_model)
+    if out != cfg.d_model:
+        raise CheckpointError(f"the vision tower's output width {out} must equal the decoder's {cfg.d_model}")
     return cfg.replace(arch="qwen2_vl", vision=vision, mrope_section=tuple(section))
+
+
+def _vision_config(raw: dict[str, Any], vc: dict[str, Any]) -> VisionConfig:
+    """Qwen2-VL's vision_config (embed_dim wide, mlp_ratio), or Qwen2.5-VL's (hidden_size wide,
+    intermediate_size, windows and full-attention blocks, `out_hidden_size` the decoder's width)."""
+    qwen25 = raw.get("model_type") == "qwen2_5_vl" or "fullatt_block_indexes" in vc
+    width = vc["hidden_size"] if qwen25 else vc["embed_dim"]
+    return VisionConfig(
+        kind="qwen2_vl", image_token_id=int(raw["image_token_id"]), hidden_size=width, depth=vc["depth"],
+        num_heads=vc["num_heads"],
+        intermediate_size=vc["intermediate_size"] if qwen25 else int(width * vc.get("mlp_ratio", 4)),
+        patch_size=vc.get("patch_size", 14), in_channels=vc.get("in_channels", 3),
+        spatial_merge_size=vc.get("spatial_merge_size", 2), temporal_patch_size=vc.get("temporal_patch_size", 2),
+        hidden_act=vc.get("hidden_act", "silu" if qwen25 else "quick_gelu"),
+        vision_start_token_id=raw.get("vision_start_token_id"),
+        window_size=vc.get("window_size", 112) if qwen25 else 0,
+        full_attention_blocks=tuple(vc.get("fullatt_block_indexes", ())) if qwen25 else ())
 
 
 def _name_map(model: nn.Module, tensor_names: Collection[str]) -> dict[str, TensorSpec]:

@@ -1,6 +1,10 @@
 """Qwen2-VL's vision tower: a ViT over 14x14 (x2 frames) patches at the image's own resolution,
 2-D rotary positions (row, column) inside each frame, and a merger that folds each 2x2 block of
-patches into one decoder token (LayerNorm, then an MLP to the decoder's width)."""
+patches into one decoder token (LayerNorm, then an MLP to the decoder's width).
+
+Qwen2.5-VL's (`VisionConfig.window_size` > 0) has RMSNorms, a gated SiLU MLP, and attends inside
+windows of merged patches except in a few full-attention blocks: the patches are put in window
+order before the blocks and the merged tokens back in raster order after the merger."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import VisionConfig
+from model.layers.norms import RMSNorm
 
 ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
@@ -47,16 +52,20 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: int) -> torch.Tensor:
-        """x (N, dim), cos/sin (N, 1, head_dim) float32 -> (N, dim); N = frames * patches per frame."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        """x (N, dim), cos/sin (N, 1, head_dim) float32 -> (N, dim). Each patch attends to the
+        patches of its segment (consecutive runs of `segments` lengths: frames, or windows)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim).unbind(1)  # (N, H, d) each
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        # (frames, H, N/frames, d): attention stays inside each frame
-        q, k, v = (t.reshape(frames, n // frames, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)  # (frames, H, N/frames, d)
-        return self.proj(out.transpose(1, 2).reshape(n, -1))
+        if len(set(segments)) == 1:  # equal segments (frames): one batched call, (S, H, N/S, d)
+            q, k, v = (t.reshape(len(segments), -1, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, -1)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in parts)).transpose(0, 1)
+                             for parts in zip(*(t.split(segments) for t in (q, k, v)))]).reshape(n, -1)
+        return self.proj(out)
 
 
 class VisionMlp(nn.Module):
@@ -70,18 +79,37 @@ class VisionMlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class GatedVisionMlp(nn.Module):
+    """Qwen2.5-VL's: down(act(gate(x)) * up(x)), with biases."""
+
+    def __init__(self, v: VisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.up_proj = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.down_proj = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.act = activation(v.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def vision_norm(v: VisionConfig, dim: int) -> nn.Module:
+    """Qwen2-VL's LayerNorm, or Qwen2.5-VL's RMSNorm (eps 1e-6 both)."""
+    return RMSNorm(dim, 1e-6) if v.window_size else nn.LayerNorm(dim, eps=1e-6)
+
+
 class VisionBlock(nn.Module):
     """Pre-LayerNorm ViT block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
     def __init__(self, v: VisionConfig) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(v.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(v.hidden_size, eps=1e-6)
+        self.norm1 = vision_norm(v, v.hidden_size)
+        self.norm2 = vision_norm(v, v.hidden_size)
         self.attn = VisionAttention(v.hidden_size, v.num_heads)
-        self.mlp = VisionMlp(v)
+        self.mlp = GatedVisionMlp(v) if v.window_size else VisionMlp(v)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: int) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, frames)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -91,7 +119,7 @@ class PatchMerger(nn.Module):
     def __init__(self, v: VisionConfig, out_dim: int) -> None:
         super().__init__()
         self.width = v.hidden_size * v.spatial_merge_size ** 2
-        self.ln_q = nn.LayerNorm(v.hidden_size, eps=1e-6)
+        self.ln_q = vision_norm(v, v.hidden_size)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +153,31 @@ class Qwen2VisionTower(nn.Module):
         x = pixel_values.to(weight.dtype).view(-1, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
         x = self.patch_embed.proj(x).view(-1, v.hidden_size)  # (N, hidden)
         cos, sin = self.rotary(grid_thw)
-        for block in self.blocks:
-            x = block(x, cos, sin, grid_thw[0])
-        return self.merger(x)
+        frames = [grid_thw[1] * grid_thw[2]] * grid_thw[0]
+        order, windows = None, frames
+        if v.window_size:  # patches (in merge units) into window order, cos/sin with them
+            order, windows = window_order(grid_thw, v.spatial_merge_size, v.window_size // v.patch_size)
+            unit = v.spatial_merge_size ** 2
+            x, cos, sin = (t.reshape(-1, unit, *t.shape[1:])[order].flatten(0, 1) for t in (x, cos, sin))
+        for i, block in enumerate(self.blocks):
+            full = not v.window_size or i in v.full_attention_blocks
+            x = block(x, cos, sin, frames if full else windows)
+        out = self.merger(x)  # (N / merge^2, out_dim)
+        return out if order is None else out[torch.argsort(order)]
+
+
+def window_order(grid_thw: tuple[int, int, int], merge: int, window_patches: int) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows: the merged tokens of each frame cut into squares of
+    window_patches / merge tokens a side (the last row and column of windows smaller); returns the
+    merged tokens' window-major order and each window's length in patches."""
+    t, h, w = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge
+    side = window_patches // merge
+    index = torch.arange(t * h * w).reshape(t, h, w)
+    order, lengths = [], []
+    for f in range(t):
+        for r in range(0, h, side):
+            for c in range(0, w, side):
+                win = index[f, r:r + side, c:c + side].flatten()
+                order.append(win)
+                lengths.append(win.numel() * merge * merge)
+    return torch.cat(order), lengths

@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     **GEMMA_FAMILY,
     "Phi3ForCausalLM": PHI3,
     "Qwen2VLForConditionalGeneration": QWEN2_VL,
+    "Qwen2_5_VLForConditionalGeneration": QWEN2_VL,
     "LlavaForConditionalGeneration": LLAVA,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
