@@ -136,6 +136,7 @@ class AppArgs(BaseModel):
         "PACK", description="How a replica's placement group (bundle 0 the replica, then one per tensor-parallel "
                             "rank) is placed on nodes: PACK, STRICT_PACK (one node), SPREAD, STRICT_SPREAD.")
     enable_prefix_caching: bool = engine_arg("enable_prefix_caching")
+    encoder_cache_size: int = engine_arg("encoder_cache_size", ge=0)
     scheduling_policy: Literal["fcfs", "priority"] = engine_arg("scheduling_policy")
     priority_aging_s: float = engine_arg("priority_aging_s", ge=0)
     prefix_aware_routing: bool = Field(True, description="With several replicas: a request whose prompt shares a "
@@ -169,6 +170,23 @@ class AppArgs(BaseModel):
                                             "running after it is aborted with a 504; None: none.")
     max_attention_floats: int = Field(1 << 20, ge=1, description="The most attention weights one /v1/attention "
                                       "answer holds (400 past it).")
+    # images in chat requests, for vision models (service/http/images.py; docs: Images)
+    limit_mm_per_prompt: dict[Literal["image"], int] = Field({"image": 8}, description="The most images one request "
+                                                             "may carry, as vLLM names it (`{\"image\": N}`); 400 past "
+                                                             "it.")
+    max_image_bytes: int = Field(10 << 20, ge=1, description="The largest image, encoded (the file's bytes, not its "
+                                 "base64); 400 past it. An image sent inline also needs max_body_bytes above the "
+                                 "request's size.")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="The most pixels (width x height) of one image, read "
+                                  "from its header before its pixels are decoded; 400 past it.")
+    allowed_local_media_path: str | None = Field(None, description="A directory whose files requests may name as "
+                                                 "`file://` image URLs (symlinks and `..` resolved first: nothing "
+                                                 "outside it is read); None: `file://` URLs are refused.")
+    allowed_media_domains: list[str] | None = Field(None, description="Hosts whose `http(s)://` image URLs the "
+                                                    "replicas fetch (exact names; redirects are not followed); None: "
+                                                    "image URLs on the web are refused, send data URLs.")
+    image_fetch_timeout_s: float = Field(5.0, gt=0, description="The longest fetch of one remote image, start to "
+                                         "end; 400 past it.")
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
         "auto", description="The format tool calls are read in: auto: from the chat template; none: text only.")
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
@@ -241,6 +259,20 @@ class AppArgs(BaseModel):
                     raise ValueError(f"prefill_replicas needs {name}: the engine replicas take the Prefill "
                                      "deployment's blocks into their prefix cache, one process each")
         return self
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _image_limit_counts(cls, value: dict[str, int]) -> dict[str, int]:
+        if value.get("image", 0) < 0:
+            raise ValueError(f'limit_mm_per_prompt\'s "image" must be >= 0, got {value["image"]}')
+        return value
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _media_path_is_a_directory(cls, value: str | None) -> str | None:
+        if value and not os.path.isdir(value):  # checked here, not in every replica
+            raise ValueError(f"allowed_local_media_path must be an existing directory, got {value!r}")
+        return value
 
     @field_validator("pipeline_parallel_size")
     @classmethod
@@ -401,6 +433,12 @@ def ingress_settings(args: AppArgs) -> IngressSettings:
         max_header_bytes=args.max_header_bytes,
         request_timeout_s=args.request_timeout_s,
         max_attention_floats=args.max_attention_floats,
+        max_images_per_request=args.limit_mm_per_prompt.get("image", 8),
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(args.allowed_media_domains or ()),
+        image_fetch_timeout_s=args.image_fetch_timeout_s,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         overload_status=args.overload_status,

@@ -20,6 +20,9 @@ Decisions where the two APIs differ:
   think answers without a thinking block.
 - A `tool_result` with `is_error: true` reaches the model as its text prefixed with "Error: ".
 - A last message from the assistant (a prefilled answer) is a 400: continuing it is not supported.
+- `image` blocks (in user messages and inside `tool_result` content) become the chat request's
+  `image_url` parts: a `base64` source as a data URL, a `url` source as its URL, which the edge
+  loads under its limits (service/http/images.py); a `file` source (the Files API) is a 400.
 """
 
 from __future__ import annotations
@@ -53,15 +56,85 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's
+
+
+class Base64Source(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: Annotated[str, Field(min_length=1)]
+
+
+class URLSource(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["url"]
+    url: Annotated[str, Field(min_length=1)]
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: Base64Source | URLSource
+
+    @field_validator("source", mode="plain")
+    @classmethod
+    def _one_source(cls, source: Any) -> Base64Source | URLSource:
+        kind = source.get("type") if isinstance(source, dict) else None
+        if kind == "file":
+            raise ValueError("a file source (the Files API) is not supported by this server; send the image as a "
+                             "base64 or url source")
+        model = {"base64": Base64Source, "url": URLSource}.get(kind)  # type: ignore[arg-type]
+        if model is None:
+            raise ValueError(f'source must be {{"type": "base64", "media_type", "data"}} or {{"type": "url", '
+                             f'"url"}}, got type {kind!r}')
+        try:
+            return model.model_validate(source)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "literal_error" and where == "media_type":
+                raise ValueError(f"source.media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}, got "
+                                 f"{source.get('media_type')!r}") from None
+            raise ValueError(f"source.{where}: {err['msg']}") from None
+
+    def chat_part(self) -> dict[str, Any]:
+        """The chat request's `image_url` part for this image."""
+        src = self.source
+        url = f"data:{src.media_type};base64,{src.data}" if isinstance(src, Base64Source) else src.url
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: Annotated[str, Field(min_length=1, max_length=256)]
-    content: str | list[TextBlock] | None = None
+    content: str | list[TextBlock | ImageBlock] | None = None
     is_error: bool = False
 
-    def text(self) -> str:
-        body = self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content or [])
-        return ERROR_PREFIX + body if self.is_error else body
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _text_and_images(cls, content: Any) -> str | list[TextBlock | ImageBlock] | None:
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("must be a string or an array of text and image blocks")
+        blocks = [_block(k, block, ("text", "image")) for k, block in enumerate(content)]
+        return blocks  # type: ignore[return-value]
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The tool message's content: text (blocks joined by newlines), or with images its parts in
+        order; a failed tool's result starts with ERROR_PREFIX."""
+        prefix = ERROR_PREFIX if self.is_error else ""
+        blocks = self.content if isinstance(self.content, list) else []
+        if not any(isinstance(b, ImageBlock) for b in blocks):
+            body = self.content if isinstance(self.content, str) else "\n".join(b.text for b in blocks)
+            return prefix + body
+        parts = [{"type": "text", "text": prefix}] if prefix else []
+        for k, b in enumerate(blocks):
+            sep = "\n" if k and isinstance(b, TextBlock) and isinstance(blocks[k - 1], TextBlock) else ""
+            parts.append(b.chat_part() if isinstance(b, ImageBlock) else {"type": "text", "text": sep + b.text})
+        return parts
 
 
 class ThinkingBlock(_Block):
@@ -70,18 +143,18 @@ class ThinkingBlock(_Block):
     signature: str | None = None  # Anthropic's proof of origin: this server writes "" and checks none
 
 
-BLOCK_TYPES: dict[str, type[_Block]] = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
-                                        "thinking": ThinkingBlock}
-Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
+BLOCK_TYPES: dict[str, type[_Block]] = {"text": TextBlock, "image": ImageBlock, "tool_use": ToolUseBlock,
+                                        "tool_result": ToolResultBlock, "thinking": ThinkingBlock}
+Block = Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock]
 
 
-def _block(j: int, block: Any) -> Block:
-    """Block `j` of a message's content; ValueError saying which block and field is wrong (a
-    type this server cannot honour, such as image or document, is one)."""
+def _block(j: int, block: Any, kinds: tuple[str, ...] = tuple(BLOCK_TYPES)) -> Block:
+    """Block `j` of a message's content (of one of `kinds`); ValueError saying which block and
+    field is wrong (a type this server cannot honour, such as document, is one)."""
     kind = block.get("type") if isinstance(block, dict) else None
-    if kind not in BLOCK_TYPES:
-        raise ValueError(f"block {j} has type {kind!r}, which this server does not support "
-                         f"(supported: {', '.join(BLOCK_TYPES)})")
+    if kind not in kinds:
+        raise ValueError(f"block {j} has type {kind!r}, which this server does not support here "
+                         f"(supported: {', '.join(kinds)})")
     try:
         return BLOCK_TYPES[kind].model_validate(block)
     except ValidationError as exc:
@@ -90,7 +163,8 @@ def _block(j: int, block: Any) -> Block:
         if err["type"] == "extra_forbidden":
             raise ValueError(f"block {j} ({kind}): field {where!r} is not supported by this server; "
                              "leave it out") from None
-        raise ValueError(f"block {j} ({kind}): {where}: {err['msg']}") from None
+        reason = (err.get("ctx") or {}).get("error", err["msg"]) if err["type"] == "value_error" else err["msg"]
+        raise ValueError(f"block {j} ({kind}): {where}: {reason}") from None
 
 
 class Message(BaseModel):
@@ -111,7 +185,7 @@ class Message(BaseModel):
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> "Message":
-        wrong = {"user": (ToolUseBlock, ThinkingBlock), "assistant": (ToolResultBlock,)}[self.role]
+        wrong = {"user": (ToolUseBlock, ThinkingBlock), "assistant": (ToolResultBlock, ImageBlock)}[self.role]
         for j, block in enumerate(self.blocks):
             if isinstance(block, wrong):
                 raise ValueError(f"content[{j}]: a {block.type} block cannot be in a {self.role} message")
@@ -287,20 +361,27 @@ class MessagesRequest(CountTokensRequest):
 
 
 def _user_messages(blocks: list[Any]) -> list[dict[str, Any]]:
-    """One user turn: each tool_result a tool message, runs of text a user message, in order."""
+    """One user turn: each tool_result a tool message, runs of text and images a user message, in
+    order (its text joined into one string when it has no image)."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    run: list[TextBlock | ImageBlock] = []
     for block in blocks:
-        if isinstance(block, TextBlock):
-            texts.append(block.text)
+        if isinstance(block, (TextBlock, ImageBlock)):
+            run.append(block)
             continue
-        if texts:
-            out.append({"role": "user", "content": "".join(texts)})
-            texts = []
-        out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
-    if texts or not out:
-        out.append({"role": "user", "content": "".join(texts)})
+        if run:
+            out.append({"role": "user", "content": _user_content(run)})
+            run = []
+        out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.chat_content()})
+    if run or not out:
+        out.append({"role": "user", "content": _user_content(run)})
     return out
+
+
+def _user_content(run: list[TextBlock | ImageBlock]) -> str | list[dict[str, Any]]:
+    if not any(isinstance(b, ImageBlock) for b in run):
+        return "".join(b.text for b in run)  # type: ignore[union-attr]
+    return [b.chat_part() if isinstance(b, ImageBlock) else {"type": "text", "text": b.text} for b in run]
 
 
 def _assistant_message(blocks: list[Any]) -> dict[str, Any]:

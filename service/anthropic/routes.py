@@ -53,5 +53,5 @@ def add_messages_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: in
     @app.post(f"{MESSAGES_PATH}/count_tokens")
     async def count_tokens(request: Request) -> Response:
         async def work() -> Any:
-            return messages.count_tokens(await _read(request, CountTokensRequest, max_body_bytes, read_model))
+            return await messages.count_tokens(await _read(request, CountTokensRequest, max_body_bytes, read_model))
         return await respond(work(), anthropic_error_response)

@@ -159,14 +159,15 @@ class MessagesServing:
                                '{"type": "disabled"}', param="thinking")
         return chat
 
-    def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
-        """{"input_tokens": N}: the prompt tokens `/v1/messages` counts for the same request."""
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
+        """{"input_tokens": N}: the prompt tokens `/v1/messages` counts for the same request (each
+        image's tokens included)."""
         self._serving.check_model(req.model)
         try:
-            _, ids = self._serving.chat_prompt(self.chat_request(req))
+            prompt = await self._serving.chat_prompt(self.chat_request(req))
         except APIError as exc:
             raise _client_names(exc) from None
-        return {"input_tokens": len(ids)}
+        return {"input_tokens": len(prompt.ids)}
 
     async def create(self, req: MessagesRequest) -> dict[str, Any] | AsyncIterator[str]:
         """A message body, or its SSE events when `req.stream`."""

@@ -53,6 +53,7 @@ class SubRequest:
     lora: str | None = None  # the LoRA adapter the request runs under (None: the base model)
     priority: int = 0  # lower runs sooner (vLLM's meaning), with scheduling_policy "priority"
     tenant: str | None = None  # whose request (a keys file's tenant): the scheduler shares slots among tenants
+    mm: Any = None  # the prompt's images (model.multimodal.inputs.MultiModalInputs, from Engine.process_images)
 
 
 @dataclass
@@ -309,6 +310,8 @@ class EngineLoop:
                     extra["priority"] = payload.priority
                 if payload.tenant is not None:
                     extra["tenant"] = payload.tenant
+                if payload.mm is not None:
+                    extra["mm"] = payload.mm
                 self._engine.add_request(payload.request_id, payload.prompt_token_ids, payload.params, **extra)
             except ValueError as exc:  # the HTTP edge checks first; this is the last line
                 sink.put_threadsafe(EngineFailure(404 if isinstance(exc, LoraNotFoundError) else 400, str(exc)))

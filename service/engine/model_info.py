@@ -23,3 +23,4 @@ class ModelInfo:
     quantization: dict[str, Any] | None = None  # the weights' scheme (method, bits, group_size, ...); None: full precision
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters chosen by `model` (model/loading/lora.py)
     lora_dynamic: bool = False  # `<served name>:<adapter>` loads an adapter on first use
+    takes_images: bool = False  # a vision model: chat requests may carry images (service/http/images.py)

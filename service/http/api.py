@@ -27,6 +27,7 @@ from service.http.attention_api import add_attention_routes
 from service.http.engine_call import watch_first_item
 from service.http.event_stream import RAW_SEND, EventStream
 from service.http.errors import APIError, from_validation_error
+from service.http.images import ImageLimits
 from service.openai.embeddings import add_embeddings_routes
 from service.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from service.openai.responses_api import add_responses_routes
@@ -60,6 +61,17 @@ class IngressSettings:
     tool_call_parser: str = "auto"  # service/tools/formats.py: auto (from the chat template), none, or a format
     reasoning_parser: str = "auto"  # service/tools/reasoning.py: auto, none, qwen3, deepseek_r1
     app_models: tuple[str, ...] = ()  # a multi-model app's served models (named in a 404); empty: one model
+    # images in requests (service/http/images.py); the app arguments of the same names
+    max_images_per_request: int = 8
+    max_image_bytes: int = 10 << 20
+    max_image_pixels: int = 4096 * 4096
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    image_fetch_timeout_s: float = 5.0
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images_per_request, self.max_image_bytes, self.max_image_pixels,
+                           self.allowed_local_media_path, tuple(self.allowed_media_domains), self.image_fetch_timeout_s)
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -338,8 +350,10 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
         async def work() -> Any:
             req = await read_model(request, TokenizeRequest, limit)
             serving.check_model(req.model)
-            text = req.prompt if req.messages is None else serving.render_chat(req)
-            tokens = serving.tokenizer.encode(text, add_special_tokens=req.messages is None)
+            if req.messages is None:
+                tokens = serving.tokenizer.encode(req.prompt, add_special_tokens=True)
+            else:  # each image's placeholder expanded to its tokens, as the engine runs the prompt
+                tokens = (await serving.chat_prompt(req)).ids
             return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.info.max_model_len}
         return await respond(work())
 

@@ -91,6 +91,9 @@ class AttentionServing:
                            f"LoRA adapter; got model '{req.model}'", param="model")
         shape = serving.info.attention
         if req.messages is not None:
+            if any(m.image_parts() for m in req.messages):
+                raise APIError("/v1/attention takes text only: leave the image_url parts out of messages",
+                               param="messages")
             text = serving.chat_template.render(req.messages, req.add_generation_prompt)
             ids = serving.token_ids(text, param="messages", add_special_tokens=False)
         else:

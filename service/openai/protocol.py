@@ -347,6 +347,23 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: Annotated[str, Field(min_length=1)]  # data:image/...;base64, https://, or file:// (service/http/images.py)
+    detail: Literal["auto", "low", "high"] = "auto"  # low: scaled to fit 512x512 first, as OpenAI does
+
+
+class ImagePart(_Request):
+    """`{"type": "image_url", "image_url": {"url", "detail"}}`: an image of a user or tool message."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+_PART_MODELS: dict[str, type[_Request]] = {"text": TextPart, "image_url": ImagePart}
+_PART_SHAPES = {"text": '{"type": "text", "text": <string>}',
+                "image_url": '{"type": "image_url", "image_url": {"url": <string>, "detail": "auto"|"low"|"high"}}'}
+
+
 class FunctionCall(_Request):
     """`tool_calls[].function` of an assistant message: `arguments` is JSON text (OpenAI) or an
     object; JSON text of an object reaches the chat template as the object transformers'
@@ -386,7 +403,7 @@ _IGNORED_MESSAGE_FIELDS = {"refusal": (None,), "audio": (None,), "function_call"
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: Annotated[list[ToolCallItem], Field(max_length=128)] | None = None  # assistant
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool: the call it answers
@@ -408,19 +425,22 @@ class ChatMessage(_Request):
 
     @field_validator("content", mode="plain")
     @classmethod
-    def _check_content(cls, content: Any) -> str | list[TextPart] | None:
+    def _check_content(cls, content: Any) -> str | list[TextPart | ImagePart] | None:
         # Plain validation keeps union member names out of error locations.
         if content is None or isinstance(content, str):
             return content
         if isinstance(content, list):
             parts = []
             for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in _PART_MODELS:
+                    raise ValueError(f"part {i} has type {kind!r}; this server takes text and image_url parts")
                 try:
-                    parts.append(TextPart.model_validate(part))
+                    parts.append(_PART_MODELS[kind].model_validate(part))
                 except ValidationError:
-                    raise ValueError(f'part {i} must be {{"type": "text", "text": <string>}}') from None
+                    raise ValueError(f"part {i} must be {_PART_SHAPES[kind]}") from None
             return parts
-        raise ValueError("must be a string or an array of text parts")
+        raise ValueError("must be a string or an array of text and image_url parts")
 
     @model_validator(mode="after")
     def _fields_fit_the_role(self) -> "ChatMessage":
@@ -432,21 +452,39 @@ class ChatMessage(_Request):
             raise ValueError(f"tool_call_id belongs to tool messages, not to {_a(self.role)} message")
         if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
             raise ValueError(f"reasoning belongs to assistant messages, not to {_a(self.role)} message")
+        if self.image_parts() and self.role not in ("user", "tool"):
+            raise ValueError(f"image_url parts belong to user and tool messages, not to {_a(self.role)} message")
         return self
 
     @property
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined, images left out)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """(index in content, part) of each image part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
+
+    def _template_content(self) -> str | list[dict[str, Any]] | None:
+        """Text parts joined into one string; with images, the parts in order as HF vision templates
+        take them (`{"type": "text", "text"}`, and `{"type": "image"}` where the model's placeholder goes)."""
+        if not isinstance(self.content, list):
+            return self.content
+        if not self.image_parts():
+            return self.text
+        return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.content]
 
     def template_dict(self) -> dict[str, Any]:
         """The message as transformers' `apply_chat_template` gives it to a template: content a
-        string (parts joined), call arguments as objects, fields that are null left out, and the
-        reasoning under all of its names (`thinking` for gpt-oss templates)."""
-        out: dict[str, Any] = {"role": self.role,
-                               "content": self.text if isinstance(self.content, list) else self.content,
+        string (text parts joined) or, with images, its parts, call arguments as objects, fields
+        that are null left out, and the reasoning under all of its names (`thinking` for gpt-oss
+        templates)."""
+        out: dict[str, Any] = {"role": self.role, "content": self._template_content(),
                                "name": self.name, "tool_call_id": self.tool_call_id,
                                "reasoning_content": self.reasoning_content, "reasoning": self.reasoning}
         if self.tool_calls is not None:

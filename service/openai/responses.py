@@ -19,7 +19,7 @@ from service.http.chat_run import ChatUsage
 from service.http.errors import APIError, from_validation_error
 from service.openai.protocol import ChatCompletionRequest
 from service.openai.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem,
-                                               ReasoningItem, ResponsesRequest, _text)
+                                               ReasoningItem, ResponsesRequest, chat_content)
 from service.tools.answer import AnswerEvent, ReasoningEvent
 from service.tools.parser import ArgumentsEvent, CallStartEvent, TextEvent
 
@@ -44,7 +44,7 @@ def chat_messages(instructions: str | None, items: list[InputItem]) -> list[dict
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or []) or None
         elif isinstance(item, MessageItem):
-            message: dict[str, Any] = {"role": item.role, "content": _text(item.content)}
+            message: dict[str, Any] = {"role": item.role, "content": chat_content(item.content)}
             if item.role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -60,7 +60,7 @@ def chat_messages(instructions: str | None, items: list[InputItem]) -> list[dict
                     message["reasoning_content"], reasoning = reasoning, None
                 messages.append(message)
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": chat_content(item.output)})
     return messages
 
 

@@ -3,7 +3,8 @@ request out (`ResponsesRequest.chat_request`).
 
 As in `protocol.py`: unknown fields are ignored, but a known field this server does not
 implement is a 400 naming it unless it has its neutral value (`UNSUPPORTED_RESPONSES`). Input
-items are text only; items and tools of kinds this server cannot honour are 400s naming them.
+items hold text and `input_image` parts (by `image_url`; a `file_id` is a 400); items and tools
+of kinds this server cannot honour are 400s naming them.
 Hosted tools that OpenAI's own clients send by default (`IGNORED_TOOL_TYPES`: Codex adds
 `web_search`) are dropped with a warning, as llama.cpp does: the model just does not get them.
 """
@@ -56,11 +57,28 @@ class ReasoningText(_Model):
     text: str
 
 
-Content = str | list[TextContent]
+class ImageContent(_Model):
+    """An `input_image` part: `image_url` is a data URL or a URL the server may fetch
+    (service/http/images.py); `file_id` (OpenAI's Files API) is refused."""
+
+    type: Literal["input_image"]
+    image_url: Annotated[str, Field(min_length=1)] | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] = "auto"
 
 
-def _text(content: Content) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+Content = str | list[TextContent | ImageContent]
+_PART_TYPES = ("input_text", "output_text", "text", "input_image")
+
+
+def chat_content(content: Content) -> str | list[dict[str, Any]]:
+    """The chat message content of `content`: its text joined, or with images its parts in order."""
+    if isinstance(content, str):
+        return content
+    if not any(isinstance(p, ImageContent) for p in content):
+        return "".join(p.text for p in content)  # type: ignore[union-attr]
+    return [{"type": "image_url", "image_url": {"url": p.image_url, "detail": p.detail}}
+            if isinstance(p, ImageContent) else {"type": "text", "text": p.text} for p in content]
 
 
 class MessageItem(_Model):
@@ -109,17 +127,33 @@ def _check_content(content: Any) -> Content:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError("must be a string or an array of input_text parts")
-    parts = []
+        raise ValueError("must be a string or an array of input_text and input_image parts")
+    parts: list[TextContent | ImageContent] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise ValueError(f"part {j} has type {kind!r}; this server takes text only (input_text, output_text)")
+        if kind not in _PART_TYPES:
+            raise ValueError(f"part {j} has type {kind!r}; this server takes {', '.join(_PART_TYPES)}")
+        if kind == "input_image":
+            parts.append(_image_part(j, part))
+            continue
         try:
             parts.append(TextContent.model_validate(part))
         except ValidationError:
             raise ValueError(f'part {j} must be {{"type": "{kind}", "text": <string>}}') from None
     return parts
+
+
+def _image_part(j: int, part: dict[str, Any]) -> ImageContent:
+    try:
+        image = ImageContent.model_validate(part)
+    except ValidationError as exc:
+        raise ValueError(f"part {j} (input_image): {from_validation_error(exc).message}") from None
+    if image.file_id is not None:
+        raise ValueError(f"part {j} (input_image): file_id is not supported by this server (it has no Files API); "
+                         "send the image as image_url, a data:image/...;base64 URL")
+    if image.image_url is None:
+        raise ValueError(f"part {j} (input_image): image_url is required")
+    return image
 
 
 def parse_items(raw: Any, param: str = "input") -> list[InputItem]:

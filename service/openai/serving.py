@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from model.engine.sequence import RequestOutput
@@ -27,6 +28,7 @@ from service.http.chat_run import ChatRun
 from service.http.chat_template import ChatTemplate
 from service.http.engine_call import EngineCall, OverloadPolicy
 from service.http.errors import APIError, from_value_error, overloaded_error
+from service.http.images import ImageLimits, ImageLoader, ImageRef, chat_image_refs
 from service.openai.formats import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
 from service.openai.protocol import (SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt,
                                      TokenizeRequest)
@@ -41,6 +43,16 @@ logger = logging.getLogger(__name__)
 MAX_CHOICES_TOTAL = 64  # n x prompts in one request
 
 
+@dataclass
+class ChatPrompt:
+    """A chat request's prompt: its text, its token ids (each image's placeholder expanded to the
+    image's tokens) and its images as the engine takes them."""
+
+    text: str
+    ids: list[int]
+    mm: Any = None  # model.multimodal.inputs.MultiModalInputs; None: text only
+
+
 class OpenAIServing:
     """Completions and chat completions over one engine (`engine.generate(requests)` returns a
     stream: `service.replica.engine_deployment.EngineHost` in the replica, a stand-in in some tests)."""
@@ -48,14 +60,16 @@ class OpenAIServing:
     def __init__(self, info: ModelInfo, engine: Any, overload: OverloadPolicy,
                  request_timeout_s: float | None = None, tool_call_parser: str = "auto",
                  reasoning_parser: str = "auto", app_models: tuple[str, ...] = (), quotas: Any = None,
-                 priority_scheduling: bool = False) -> None:
+                 priority_scheduling: bool = False, images: ImageLimits | None = None) -> None:
         """`tool_call_parser`: "auto" (the format the chat template writes calls in), "none" or
         a format name (service/tools/formats.py); `reasoning_parser`: "auto" (split `<think>`
         when the template thinks), "none", "qwen3" or "deepseek_r1"; `app_models`: every served
         model of a multi-model app, named in the 404 for an unknown model (empty: this one);
         `quotas`: the tenants' limits (service/tenancy/quotas.py; None: no keys file);
-        `priority_scheduling`: the engine schedules by priority (tenants' default priorities apply)."""
+        `priority_scheduling`: the engine schedules by priority (tenants' default priorities apply);
+        `images`: what the edge takes of a request's images (service/http/images.py)."""
         self.info = info
+        self.images = ImageLoader(images or ImageLimits())
         self._quotas = quotas
         self.priority_scheduling = priority_scheduling
         self.app_models = tuple(app_models) or (info.served_model_name,)
@@ -186,7 +200,7 @@ class OpenAIServing:
         return left if default is None else min(default, left)
 
     def _sub_requests(self, request_id: str, prompts: list[list[int]],
-                      req: CompletionRequest | ChatCompletionRequest) -> list[SubRequest]:
+                      req: CompletionRequest | ChatCompletionRequest, mm: Any = None) -> list[SubRequest]:
         if len(prompts) * req.n > MAX_CHOICES_TOTAL:
             raise APIError(f"n x number of prompts may be at most {MAX_CHOICES_TOTAL}, got "
                            f"{req.n} x {len(prompts)}", param="n")
@@ -204,7 +218,7 @@ class OpenAIServing:
             except ValueError as exc:
                 raise from_value_error(exc, SAMPLING_PARAM_NAMES) from None
             lora = self.adapter_of(req.model)
-            subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params, lora, *scheduling)
+            subs.extend(SubRequest(f"{request_id}-{i * req.n + j}", ids, params, lora, *scheduling, mm=mm)
                         for j, params in enumerate(choices))
         if subs:
             _check_constraint(req, subs[0].params)
@@ -223,33 +237,53 @@ class OpenAIServing:
         prefixes = [echoes[i // req.n] for i in range(len(prompts) * req.n)]
         return await self._generate(request_id, prompts, req, fmt, prefixes)
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """A chat request's prompt text and token ids (checked against the vocabulary)."""
+    async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> ChatPrompt:
+        """A chat request's prompt (token ids checked against the vocabulary). Its images are read,
+        decoded and processed on worker threads; a model without a vision encoder refuses them."""
+        assert req.messages is not None
+        refs = chat_image_refs(req.messages)
+        if refs:  # the cheap refusals before any work
+            self.check_images(refs)
         text = self.render_chat(req)
-        return text, self.token_ids(text, param="messages", add_special_tokens=False)
+        ids = self.token_ids(text, param="messages", add_special_tokens=False)
+        if not refs:
+            return ChatPrompt(text, ids)
+        images = await self.images.load_all(refs)
+        try:
+            ids, mm = await self._engine.process_images(ids, images)
+        except ValueError as exc:  # model.multimodal.processor.ImageInputError: placeholders and images do not pair
+            raise APIError(f"messages: the chat template did not place each image once: {exc}", param="messages",
+                           code="invalid_image") from None
+        return ChatPrompt(text, ids, mm)
+
+    def check_images(self, refs: list[ImageRef]) -> None:
+        """A 400 when the model takes no images, or the request has more than the limit."""
+        if not self.info.takes_images:
+            raise APIError(f"{refs[0].param}: model {self.info.served_model_name!r} does not take images (it has no "
+                           "vision encoder); send text only", param=refs[0].param, code="images_not_supported")
+        self.images.check_count(refs)
 
     async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Admit and start a chat request (the internal request of every chat-like API) and
         return its run, which yields answer events (service/http/chat_run.py). Raises APIError for a
         bad request or when overloaded, before anything is queued."""
         self.check_model(req.model)
-        text, ids = self.chat_prompt(req)
-        plan = self._plan(req, text)
-        subs = self._sub_requests(request_id, [ids], req)
+        prompt = await self.chat_prompt(req)
+        plan = self._plan(req, prompt.text)
+        subs = self._sub_requests(request_id, [prompt.ids], req, prompt.mm)
         run = await self._start(subs)
-        return ChatRun(request_id, run, plan, len(subs), {s.request_id: k for k, s in enumerate(subs)}, len(ids),
-                       self.tokenizer)
+        return ChatRun(request_id, run, plan, len(subs), {s.request_id: k for k, s in enumerate(subs)},
+                       len(prompt.ids), self.tokenizer)
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the messages through the chat template, then as completions."""
         self.check_model(req.model)
-        text = self.render_chat(req)
-        prompts = [self.token_ids(text, param="messages", add_special_tokens=False)]
-        plan = self._plan(req, text)
+        prompt = await self.chat_prompt(req)
+        plan = self._plan(req, prompt.text)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormat(request_id, self.answer_model(req.model), int(time.time()), self.tokenizer,
                          req.logprobs_count(), plan)
-        return await self._generate(request_id, prompts, req, fmt, [""] * req.n)
+        return await self._generate(request_id, [prompt.ids], req, fmt, [""] * req.n, prompt.mm)
 
     def _plan(self, req: ChatCompletionRequest, prompt: str) -> AnswerPlan:
         """How the answer is constrained and read back; binds the tool constraint to `req`."""
@@ -270,8 +304,8 @@ class OpenAIServing:
 
     async def _generate(self, request_id: str, prompts: list[list[int]],
                         req: CompletionRequest | ChatCompletionRequest, fmt: CompletionFormat | ChatFormat,
-                        prefixes: list[str]) -> dict[str, Any] | AsyncIterator[str]:
-        subs = self._sub_requests(request_id, prompts, req)
+                        prefixes: list[str], mm: Any = None) -> dict[str, Any] | AsyncIterator[str]:
+        subs = self._sub_requests(request_id, prompts, req, mm)
         index_of = {s.request_id: k for k, s in enumerate(subs)}
         choices = [ChoiceState(k, k // req.n) for k in range(len(subs))]
         num_prompt_tokens = sum(len(p) for p in prompts)

@@ -182,6 +182,11 @@ class EngineHost:
         before its first `__anext__`."""
         return EngineStream(self, requests)
 
+    async def process_images(self, prompt_token_ids: list[int], images: list[Any]) -> tuple[list[int], Any]:
+        """`Engine.process_images` (the prompt with each image placeholder expanded, and its
+        `MultiModalInputs`) on a worker thread: CPU work kept off the event loop and the step thread."""
+        return await asyncio.to_thread(self.engine.process_images, prompt_token_ids, images)
+
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters known now: the start-up ones and those loaded by name since."""
         lora = getattr(self.engine, "lora", None)
@@ -204,6 +209,7 @@ class EngineHost:
                           "lm_head": head.describe() if (head := getattr(self.engine, "head_scheme", None)) else None}
             if scheme else None,
             **_lora_info(getattr(self.engine, "lora", None)),
+            takes_images=getattr(self.engine, "image_processor", None) is not None,
         )
 
     def problem(self) -> str | None:
@@ -320,7 +326,7 @@ class EngineReplica:
         self._serving = OpenAIServing(self._host.model_info(), self._host, overload, self._settings.request_timeout_s,
                                       self._settings.tool_call_parser, self._settings.reasoning_parser,
                                       tuple(self._settings.app_models), tenants,
-                                      config.scheduling_policy == "priority")
+                                      config.scheduling_policy == "priority", self._settings.image_limits())
         self._created = int(time.time())  # the model cards' time
         runtime = engine.runtime
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d "
