@@ -6,7 +6,7 @@ device raises "not linked with support for cuda devices" on `torch.tensor(data, 
 Tensors on the `meta` device follow the same rule (an op mixing in a CPU tensor raises "Tensor
 on device cpu is not on the expected device meta!"), carry shapes and dtypes but no data, and
 so stand in for the accelerator: the engine is built with its device resolved to `meta`, and
-`HostReads` answers each host read of a meta tensor (`tolist`, `item`, `bool`, `int`, `float`)
+`HostReads` answers each host read of a meta tensor (`tolist`, `item`, `bool`, `int`, `float`, `cpu`)
 with ones of its shape, so a step runs to its end (every sampled token is 1) through the same
 code a CUDA step runs.
 
@@ -45,6 +45,7 @@ _READS = {
     torch.Tensor.__int__: lambda t: 1,
     torch.Tensor.__index__: lambda t: 1,
     torch.Tensor.__float__: lambda t: 1.0,
+    torch.Tensor.cpu: _filled,  # a copy to the host (attention maps come back this way)
 }
 # In-place ops whose operands must share self's device on CUDA; meta checks out-of-place ops
 # only, so these are checked here. copy_ (and slice assignment, which is copy_) may cross devices.

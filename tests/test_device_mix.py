@@ -153,3 +153,30 @@ def test_the_harness_catches_a_device_mix(monkeypatch) -> None:
     rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None, [], [cpu_bias])]
     with engine_on_meta(monkeypatch), pytest.raises(RuntimeError, match="expected device meta"):
         sample(torch.zeros(1, 16, device="meta"), rows)
+
+
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_vision_language_model(monkeypatch, tmp_path, version) -> None:
+    """Images through the encoder, its cache, the merged embeddings and M-RoPE positions, in a
+    batch with a text request, and an attention map's recompute over the image."""
+    from model.inspect.attention_spec import AttentionSpec
+    from vision_models import QWEN2_VL_IDS, random_image, save_tiny_qwen2_vl
+
+    directory = str(save_tiny_qwen2_vl(tmp_path / "vl", version=version))
+    image = [QWEN2_VL_IDS["vision_start"], QWEN2_VL_IDS["image_pad"], QWEN2_VL_IDS["vision_end"]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with engine_on_meta(monkeypatch) as mode:
+        engine = _engine(directory, max_num_batched_tokens=16)  # chunks cut through the images
+        for i in range(3):
+            ids, mm = engine.process_images([7, 8] + image + [9, 10], [random_image(i, 112, 84)])
+            engine.add_request(f"img{i}", ids, params, mm=mm)
+        engine.add_request("text", PROMPT, params)
+        ids, mm = engine.process_images(image + [11], [random_image(5, 56, 56)])
+        engine.add_request("maps", ids, SamplingParams(max_tokens=1, attention=AttentionSpec()), mm=mm)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine.runner.encoder_cache.misses == 4
+    assert {k: len(v) for k, v in got.items()} == {"img0": 3, "img1": 3, "img2": 3, "text": 3, "maps": 1}
+    assert mode.reads > 0
