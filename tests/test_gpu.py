@@ -7,7 +7,8 @@ On the device, in float32: logits within 1e-4 of HF transformers and 24 greedy t
 penalties, logit bias, logprobs and seeds (a seed's tokens the same alone and batched); decode on
 CUDA graphs equal to eager decoding, captured (not fallen back), with no gather workspace under
 flex; int8/int4 logits equal to the CPU's; a LoRA adapter equal to peft's merged model; ngram
-speculation equal to plain greedy decoding."""
+speculation equal to plain greedy decoding; Qwen2-VL and Qwen2.5-VL image requests beside text ones
+equal to HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -209,3 +210,28 @@ def test_shared_tier_and_transferred_blocks_give_the_same_tokens(device, checkpo
         assert decode.engine.receive_prefix(prefill.engine.export_prefix(p))
         got.append(decode.generate([p], greedy)[0].token_ids)
     assert got == want and decode.engine.incoming.loaded_blocks >= 4 * 5
+
+
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_vision_language_parity(device, tmp_path, version) -> None:
+    """Qwen2-VL / Qwen2.5-VL on the device: 24 greedy tokens of image requests (one chunked through
+    its image) beside text requests equal HF's on the CPU, and a repeat of an image from the prefix
+    cache equals it too."""
+    from vision_models import QWEN2_VL_IDS, hf_qwen2_vl_inputs, random_image, save_tiny_qwen2_vl
+
+    directory = save_tiny_qwen2_vl(tmp_path / "vl", version=version)
+    hf = _hf(str(directory))
+    hf.generation_config.eos_token_id = None
+    image = [QWEN2_VL_IDS["vision_start"], QWEN2_VL_IDS["image_pad"], QWEN2_VL_IDS["vision_end"]]
+    llm = LLM(str(directory), device=device, dtype="float32", block_size=BLOCK, max_num_batched_tokens=32)
+    prompts = [{"prompt": [7, 8] + image + [9, 10], "multi_modal_data": {"image": random_image(i, 112, 84 + 28 * i)}}
+               for i in range(3)] + [[7, 8, 9, 10, 11]]
+    params = SamplingParams(max_tokens=GREEDY, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert llm.generate(prompts[:1], params)[0].token_ids == outs[0].token_ids  # its image's blocks cached now
+    for prompt, out in zip(prompts, outs):
+        images = [prompt["multi_modal_data"]["image"]] if isinstance(prompt, dict) else []
+        with torch.no_grad():
+            ref = hf.generate(**hf_qwen2_vl_inputs(directory, out.prompt_token_ids, images), max_new_tokens=GREEDY,
+                              do_sample=False)[0, len(out.prompt_token_ids):].tolist()
+        assert out.token_ids == ref
