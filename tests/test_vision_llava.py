@@ -259,7 +259,7 @@ def _newer(name: str) -> str:
 
 
 def test_other_checkpoint_layout_and_missing_tensors(checkpoints, tmp_path) -> None:
-    """transformers 4.5x's names (`model.language_model.*`, `lm_head.weight`, CLIP's `vision_model.`
+    """The module tree's names (`model.language_model.*`, `lm_head.weight`, CLIP's `vision_model.`
     inside `model.vision_tower`) load to the same model; a missing tower tensor is named."""
     directory, _ = checkpoints[MAIN]
     _, model = load_model(directory)

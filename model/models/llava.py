@@ -1,10 +1,11 @@
 """LLaVA: a CLIP or SigLIP vision tower, a two-layer projector to the decoder's width, and a
 Llama-family decoder whose image placeholder tokens take the projected patch features as embeddings.
 
-HF transformers 5 saves `language_model.model.*`, `language_model.lm_head.weight`, `vision_tower.*`
-and `multi_modal_projector.*`; checkpoints saved by transformers 4.5x have `model.language_model.*`,
-`model.vision_tower.*`, `model.multi_modal_projector.*` and `lm_head.weight`, and older ones keep
-CLIP's `vision_model.` inside the tower. The name map takes whichever the checkpoint has.
+HF transformers 5.25's `save_pretrained` writes the legacy names the llava-hf checkpoints have:
+`language_model.model.*`, `language_model.lm_head.weight`, `vision_tower.*` (the hub's with CLIP's
+`vision_model.` inside) and `multi_modal_projector.*`; a checkpoint written with the names of HF's
+module tree has `model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`
+and `lm_head.weight`. The name map takes whichever the checkpoint has.
 """
 
 from __future__ import annotations
