@@ -269,3 +269,23 @@ def test_other_checkpoint_layout_and_missing_tensors(checkpoints, tmp_path) -> N
     missing = "vision_tower.encoder.layers.0.mlp.fc1.weight"
     with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
         load_model(_rewrite(directory, tmp_path / "missing", lambda n: n, drop=missing))
+
+
+def test_a_processor_config_of_another_size_is_a_request_error(checkpoints, tmp_path) -> None:
+    """A preprocessor_config.json that crops to another size than the tower's image_size fails the
+    request that sends an image (ImageInputError, a 400 at the HTTP edge), not an engine step."""
+    import json
+    import shutil
+
+    from model.multimodal.processor import ImageInputError
+
+    directory = tmp_path / "mismatch"
+    shutil.copytree(checkpoints[MAIN][0], directory)
+    config = json.loads((directory / "preprocessor_config.json").read_text())
+    config["crop_size"] = {"height": 56, "width": 56}
+    config["size"] = {"shortest_edge": 56}
+    (directory / "preprocessor_config.json").write_text(json.dumps(config))
+    llm = LLM(str(directory), dtype="float32")
+    with pytest.raises(ImageInputError, match="56x56 pixels but the vision tower takes 28x28"):
+        llm.generate({"prompt": prompt_with(1), "multi_modal_data": {"image": random_image(1)}}, GREEDY)
+    assert len(llm.generate([5, 6, 7], GREEDY)[0].token_ids) == GREEDY_TOKENS  # text is still served

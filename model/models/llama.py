@@ -21,6 +21,7 @@ from model.layers.linear.dense import Linear, linear
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.positions import RotaryEmbedding
+from model.layers.vision import merge_image_embeds
 from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec, identity_map
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, head_dim) each
@@ -98,12 +99,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 cache: KVCache) -> torch.Tensor:
-        """tokens, positions: (T,) long -> hidden (T, d_model)."""
-        x = self.embed_tokens(tokens)
-        rope = self.rotary.cos_sin(positions, x.dtype, meta.rope_len)  # shared by every layer
+        """tokens, positions: (T,) long -> hidden (T, d_model); a vision model's image placeholder
+        rows take their image's embeddings (`meta.mm_embeds`)."""
+        x = merge_image_embeds(self.embed_tokens(tokens), meta)
+        rope = self.rope_tables(positions, x.dtype, meta)  # shared by every layer
         for layer in self.layers:
             x = layer(x, rope, meta, cache)
         return self.norm(x)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttnMetadata) -> RopeTables:
+        """cos, sin of the step's rows (Qwen2-VL's M-RoPE overrides this)."""
+        return self.rotary.cos_sin(positions, dtype, meta.rope_len)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) -> (N, vocab)."""

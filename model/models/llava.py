@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig, VisionConfig
-from model.layers.kv_cache import AttnMetadata, KVCache
-from model.layers.vision import ACTIVATIONS, activation, merge_image_embeds
+from model.layers.vision import ACTIVATIONS, activation
 from model.models.clip import ClipVisionTower, used_layers
 from model.models.llama import LLAMA_FAMILY, LlamaForCausalLM
 from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec
@@ -60,15 +59,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if self.drop_first:
             features = features[1:]
         return self.multi_modal_projector(features)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                cache: KVCache) -> torch.Tensor:
-        """tokens, positions: (T,) long -> hidden (T, d_model); image placeholder rows embed their image."""
-        x = merge_image_embeds(self.embed_tokens(tokens), meta)
-        rope = self.rotary.cos_sin(positions, x.dtype, meta.rope_len)
-        for layer in self.layers:
-            x = layer(x, rope, meta, cache)
-        return self.norm(x)
 
 
 # ---- config.json and weight names -------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig, VisionConfig
-from model.layers.kv_cache import AttnMetadata, KVCache
-from model.models.llama import LlamaForCausalLM, _parser, rope_params
+from model.layers.kv_cache import AttnMetadata
+from model.models.llama import LlamaForCausalLM, RopeTables, _parser, rope_params
 from model.models.qwen2_vl_vision import Qwen2VisionTower
 from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec
 
@@ -37,18 +37,11 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         grid = tuple(int(x) for x in data["image_grid_thw"][0])
         return self.visual(data["pixel_values"].to(self.embed_tokens.weight.device), grid)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                cache: KVCache) -> torch.Tensor:
-        """tokens, positions: (T,) long -> hidden (T, d_model)."""
-        x = self.embed_tokens(tokens)
-        if meta.mm_embeds is not None:
-            rows, embeds = meta.mm_embeds
-            x[rows] = embeds.to(x.dtype)
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttnMetadata) -> RopeTables:
+        """M-RoPE: the step's (3, T) positions when a sequence with images is in it, else each row's
+        position on all three axes (plain RoPE)."""
         pos3 = meta.mrope_positions if meta.mrope_positions is not None else positions.expand(3, -1)
-        rope = self.rotary.mrope_cos_sin(pos3, x.dtype, self.cfg.mrope_section)
-        for layer in self.layers:
-            x = layer(x, rope, meta, cache)
-        return self.norm(x)
+        return self.rotary.mrope_cos_sin(pos3, dtype, self.cfg.mrope_section)
 
 
 # ---- config.json and weight names -------------------------------------------------------

@@ -14,17 +14,7 @@ from torch import nn
 
 from model.config import VisionConfig
 from model.layers.norms import RMSNorm
-
-ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
-
-
-def activation(name: str):
-    """The activation HF names `name` (ValueError for one we do not have)."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"vision hidden_act must be one of {', '.join(ACTIVATIONS)}, got {name!r}")
-    return ACTIVATIONS[name]
-
+from model.layers.vision import activation
 
 def patch_positions(grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
     """(t*h*w, 2) (row, column) of each patch, in the processor's order: merge x merge blocks

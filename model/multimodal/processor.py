@@ -62,6 +62,15 @@ class ImageProcessor:
         h, w = data["pixel_values"].shape[-2:]
         return h // v.patch_size, w // v.patch_size
 
+    def _check_size(self, data: dict[str, torch.Tensor]) -> None:
+        """A fixed-size tower (LLaVA's) takes only its own image_size; an image processor config that
+        makes another size is refused here, as a request error, not inside an engine step."""
+        side = self.vision.image_size
+        if side and tuple(data["pixel_values"].shape[-2:]) != (side, side):
+            h, w = data["pixel_values"].shape[-2:]
+            raise ImageInputError(f"the image processor made {w}x{h} pixels but the vision tower takes {side}x{side}: "
+                                  "the checkpoint's preprocessor_config.json does not match its config.json")
+
     def preprocess(self, image: Any) -> dict[str, torch.Tensor]:
         """One decoded PIL image -> the processor's tensors for it."""
         out = self.hf(images=[image.convert("RGB")], return_tensors="pt")
@@ -81,6 +90,7 @@ class ImageProcessor:
         prev = 0
         for place, image in zip(places, images):
             data = self.preprocess(image)
+            self._check_size(data)
             n = self.num_tokens(data)
             ids.extend(prompt_token_ids[prev:place])
             items.append(ImageItem(image_hash(image), len(ids), n, data, self.patch_grid(data)))
