@@ -201,6 +201,33 @@ def test_a_file_url_under_the_allowed_directory_is_the_same_image(tmp_path: Path
     served(engine, check, ImageLimits(allowed_local_media_path=str(tmp_path)))
 
 
+def test_images_in_tool_results_reach_the_template(vl_dir: Path, llm: Any, engine: Any) -> None:
+    """A tool's answer holding an image: an OpenAI tool message's image_url part, an Anthropic
+    tool_result's image block (this template renders a tool message's parts like a user's)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+    history = [{"role": "user", "content": "Take a screenshot."},
+               {"role": "assistant", "content": "Taking it.", "tool_calls": [call]}]
+    ref = offline(vl_dir, llm, [*history, {"role": "tool", "tool_call_id": "c1", "content": [{"type": "image"}]}],
+                  [PICTURE], ignore_eos=False)
+    assert ref.finish_reason == "length"
+    b64 = base64.b64encode(png_bytes(PICTURE)).decode()
+
+    async def check(client: openai.AsyncOpenAI, sdk: anthropic.AsyncAnthropic, _: httpx.AsyncClient) -> None:
+        messages = [*history, {"role": "tool", "tool_call_id": "c1", "content": [image_part(PICTURE)]}]
+        resp = await client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, **GREEDY)
+        assert resp.choices[0].message.content == ref.text
+        assert same_logprobs([lp.logprob for lp in resp.choices[0].logprobs.content], logprobs(ref))
+        msg = await sdk.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0.0}, messages=[
+            {"role": "user", "content": "Take a screenshot."},
+            {"role": "assistant", "content": [{"type": "text", "text": "Taking it."},
+                                              {"type": "tool_use", "id": "c1", "name": "screenshot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}]}])
+        assert "".join(b.text for b in msg.content if b.type == "text") == ref.text.lstrip()
+
+    served(engine, check)
+
+
 # ---- refusals: 400s in each API's shape --------------------------------------------------------------
 
 def _openai_400(caught: pytest.ExceptionInfo, code: str, *says: str) -> dict[str, Any]:
@@ -304,3 +331,28 @@ def test_a_text_model_refuses_images_with_a_400() -> None:
     r = client.post("/v1/attention", json={"messages": [{"role": "user", "content": [image_part(PICTURE)]}]})
     assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+
+
+# ---- through Ray Serve: the app arguments reach each replica's edge ---------------------------------
+
+@pytest.mark.slow
+def test_the_deployed_service_takes_images_within_its_arguments(vl_dir: Path, tmp_path: Path,
+                                                                shared_serve: Any) -> None:
+    (tmp_path / "pic.png").write_bytes(png_bytes(PICTURE))
+    args = {"model": str(vl_dir), "served_model_name": MODEL, "max_num_seqs": 4, "num_kv_blocks": 128,
+            "max_model_len": MAX_MODEL_LEN, "engine_num_cpus": 1, "limit_mm_per_prompt": {"image": 1},
+            "allowed_local_media_path": str(tmp_path), "max_body_bytes": 4 << 20}
+    with shared_serve(args) as url, httpx.Client(base_url=url, timeout=120) as http:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http, max_retries=0)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/pic.png"}},
+                                                 {"type": "text", "text": "Describe."}]}]
+        resp = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+        tokenized = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()
+        assert resp.usage.prompt_tokens == tokenized["count"] > 20 and resp.usage.completion_tokens > 0
+        inline = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            image_part(PICTURE), {"type": "text", "text": "Describe."}]}], **GREEDY)
+        assert inline.choices[0].message.content == resp.choices[0].message.content  # the same picture
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+                image_part(PICTURE), image_part(OTHER)]}], **GREEDY)
+        _openai_400(caught, "too_many_images", "at most 1", "limit_mm_per_prompt")
