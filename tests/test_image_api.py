@@ -296,6 +296,10 @@ def test_what_cannot_be_read_is_a_400_never_a_500(tmp_path: Path, engine: Any) -
         r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": [
             image_part(PICTURE), {"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>"}]}]})
         assert r.status_code == 400 and "place each image once" in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": [
+            image_part(Image.new("RGB", (3000, 10)))]}]})  # Qwen2-VL's processor refuses an aspect ratio past 200
+        assert r.status_code == 400 and "image processor cannot take" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "invalid_image"
         assert (await http.get("/health")).status_code == 200
 
     served(engine, check, ImageLimits(allowed_local_media_path=str(allowed)))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.engine.sequence import RequestOutput
+from model.multimodal.processor import ImageInputError
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import RequestError, check_request, check_token_ids
 from model.sampling.structured import check_structured
@@ -251,8 +252,11 @@ class OpenAIServing:
         images = await self.images.load_all(refs)
         try:
             ids, mm = await self._engine.process_images(ids, images)
-        except ValueError as exc:  # model.multimodal.processor.ImageInputError: placeholders and images do not pair
+        except ImageInputError as exc:  # placeholders and images do not pair up
             raise APIError(f"messages: the chat template did not place each image once: {exc}", param="messages",
+                           code="invalid_image") from None
+        except ValueError as exc:  # the checkpoint's image processor refused one (HF's: an extreme aspect ratio)
+            raise APIError(f"messages: the model's image processor cannot take an image: {exc}", param="messages",
                            code="invalid_image") from None
         return ChatPrompt(text, ids, mm)
 
