@@ -3,7 +3,7 @@
 random weights (nothing downloaded).
 
 Towers: Qwen2-VL-2B/7B's (675M parameters: 32 blocks of 1280, patches of 14, 2x2 merge to 1536
-wide tokens) at several resolutions, and LLaVA-1.5's CLIP ViT-L/14-336 when its module is present.
+wide tokens) at several resolutions, and LLaVA-1.5-7B's CLIP ViT-L/14-336 with its projector to 4096.
 The encoder's rate is set against the float32 matmul peak measured in the same run (a ratio, so
 the shared machine's noise shows as less than it would in seconds).
 
@@ -29,7 +29,7 @@ from loadtests.tools.results import add_result_args, matmul_gflops, print_table,
 QWEN2_VL_TOWER = VisionConfig(kind="qwen2_vl", image_token_id=0, hidden_size=1280, depth=32, num_heads=16,
                               intermediate_size=5120, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
 QWEN2_VL_OUT = 1536  # Qwen2-VL-2B's decoder width (7B: 3584, the merger's last layer only)
-SIZES = ((224, 224), (448, 448), (672, 448))
+SIZES = ((224, 224), (448, 448), (672, 448))  # width x height
 
 
 def status(key: str) -> int:
@@ -107,6 +107,46 @@ def qwen2_vl_rows(repeats: int, peak_gflops: float) -> tuple[list[list], list[di
     return rows, raw
 
 
+# LLaVA-1.5-7B: CLIP ViT-L/14 at 336 (features of layer -2, class token dropped), projector to 4096.
+LLAVA_15 = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 1000,
+            "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                            "num_hidden_layers": 1, "num_attention_heads": 32, "vocab_size": 1024},
+            "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                              "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                              "patch_size": 14}}
+
+
+def clip_flops(v: VisionConfig, layers: int, tokens: int, out_dim: int) -> float:
+    """Multiply-adds x 2 of one image through a CLIP tower's first `layers` layers and LLaVA's projector."""
+    d, f, n = v.hidden_size, v.intermediate_size, (v.image_size // v.patch_size) ** 2 + 1
+    embed = 2 * (n - 1) * v.in_channels * v.patch_size ** 2 * d
+    blocks = layers * (2 * n * d * (4 * d + 2 * f) + 4 * n * n * d)
+    return float(embed + blocks + 2 * tokens * (d * out_dim + out_dim * out_dim))
+
+
+def llava_rows(repeats: int, peak_gflops: float) -> tuple[list[list], list[dict]]:
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from model.models.clip import used_layers
+    from model.models.registry import ARCHITECTURES, build_model
+
+    cfg = ARCHITECTURES["LlavaForConditionalGeneration"].parse_config(LLAVA_15, False)
+    torch.manual_seed(0)
+    net = build_model(cfg).eval()
+    params = sum(p.numel() for n, p in net.named_parameters() if n.startswith(net.float_prefixes))
+    side = cfg.vision.image_size
+    processor = ImageProcessor(CLIPImageProcessorPil(size={"shortest_edge": side},
+                                                     crop_size={"height": side, "width": side}), cfg.vision)
+    r = measure(processor, net.encode_image, image(640, 480), repeats)
+    gflops = clip_flops(cfg.vision, used_layers(cfg.vision), r["tokens"], cfg.d_model) / r["encode_s"] / 1e9
+    r |= {"tower": "llava-1.5 clip", "params": params, "width": side, "height": side, "gflops": gflops}
+    row = [f"LLaVA-1.5 CLIP-L/336 ({params / 1e6:.0f}M)", f"640x480 -> {side}x{side}", r["tokens"],
+           f"{r['preprocess_s'] * 1e3:.0f}", f"{r['encode_s']:.2f}", f"{r['encode_s'] / r['tokens'] * 1e3:.1f}",
+           f"{gflops:.0f}", f"{gflops / peak_gflops:.2f}", f"{r['peak_bytes'] / 2**20:.0f}",
+           f"{r['cache_bytes'] / 2**20:.2f}"]
+    return [row], [r]
+
+
 COLUMNS = ["tower", "image", "tokens", "preprocess ms", "encode s", "encode ms/token", "GFLOP/s",
            "x matmul peak", "peak extra MiB", "cache MiB"]
 
@@ -118,6 +158,8 @@ def main() -> None:
     args = ap.parse_args()
     peak = matmul_gflops(torch.device("cpu"), torch.float32)
     rows, raw = qwen2_vl_rows(args.repeats, peak)
+    more_rows, more_raw = llava_rows(args.repeats, peak)
+    rows, raw = rows + more_rows, raw + more_raw
     print_table(COLUMNS, rows)
     write_result(args.out, "bench_image_cost", COLUMNS, rows, raw={"matmul_peak_gflops": peak, "images": raw},
                  note=args.note, title="Cost per image: preprocessing, the vision encoder, the encoder cache")
