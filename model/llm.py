@@ -132,26 +132,27 @@ class LLM:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         return self.engine.process_images(ids, images) if images else (ids, None)
 
-    def attention(self, prompt: str | list[int], layers: Seq[int] | None = None, heads: Seq[int] | None = None,
+    def attention(self, prompt: str | list[int] | dict, layers: Seq[int] | None = None, heads: Seq[int] | None = None,
                   rows: str | Seq[int] = "all", max_tokens: int = 0, scale: str = "sqrt_dk") -> torch.Tensor:
         """Attention weights (layers, heads, rows, keys) of `prompt` (and of `max_tokens` greedy
         tokens generated after it): row r holds softmax over keys 0..r, keys after it are 0.
         `layers`/`heads` default to all, `rows` is "all", "last" or query positions."""
         return self.attention_maps(prompt, layers, heads, rows, max_tokens, scale).weights
 
-    def attention_maps(self, prompt: str | list[int], layers: Seq[int] | None = None,
+    def attention_maps(self, prompt: str | list[int] | dict, layers: Seq[int] | None = None,
                        heads: Seq[int] | None = None, rows: str | Seq[int] = "all", max_tokens: int = 0,
                        scale: str = "sqrt_dk") -> AttentionMaps:
         """`attention` with its bookkeeping: token ids, the layers/heads/rows returned, and per
-        (layer, head) the pre-softmax score std and mean row entropy."""
+        (layer, head) the pre-softmax score std and mean row entropy; for a prompt with images (the
+        dict `generate` takes), where each image's patch grid sits among the keys (`images`)."""
         spec = AttentionSpec(None if layers is None else tuple(layers), None if heads is None else tuple(heads),
                              rows if isinstance(rows, str) else tuple(rows), max_tokens, scale)
         # At least one token is generated so the request is scheduled like any other; only
         # `max_tokens` of them join the captured sequence.
         params = SamplingParams(max_tokens=max(1, max_tokens), temperature=0.0, attention=spec)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids, mm = self._prompt(prompt)
         rid = f"llm-{next(self._ids)}"
-        self.engine.add_request(rid, ids, params)
+        self.engine.add_request(rid, ids, params, mm=mm)
         maps = None
         while self.engine.has_unfinished():
             for delta in self.engine.step():

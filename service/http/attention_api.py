@@ -21,6 +21,7 @@ from model.inspect.attention_spec import AttentionRequestError, AttentionSpec, c
 from model.sampling.params import SamplingParams
 from service.engine.engine_loop import SubRequest
 from service.http.errors import APIError
+from service.http.images import chat_image_refs
 from service.openai.protocol import ChatMessage
 
 MAX_INDEXES = 4096
@@ -90,12 +91,15 @@ class AttentionServing:
             raise APIError(f"attention maps come from the base model '{serving.info.served_model_name}', not a "
                            f"LoRA adapter; got model '{req.model}'", param="model")
         shape = serving.info.attention
+        mm = None
         if req.messages is not None:
-            if any(m.image_parts() for m in req.messages):
-                raise APIError("/v1/attention takes text only: leave the image_url parts out of messages",
-                               param="messages")
+            refs = chat_image_refs(req.messages)
+            if refs:  # a vision model's maps over its images' patches
+                serving.check_images(refs)
             text = serving.chat_template.render(req.messages, req.add_generation_prompt)
             ids = serving.token_ids(text, param="messages", add_special_tokens=False)
+            if refs:
+                ids, mm = await serving.expand_images(refs, ids)
         else:
             ids = serving.token_ids(req.prompt)
         spec = req.spec()
@@ -108,7 +112,7 @@ class AttentionServing:
             raise APIError(f"prompt ({len(ids)} tokens) plus max_tokens ({req.max_tokens}, at least 1 is run) "
                            f"exceeds the model's context of {serving.info.max_model_len} tokens",
                            param="max_tokens" if req.max_tokens else "prompt")
-        maps = await self._run(SubRequest(f"attn-{uuid.uuid4().hex}", ids, params))
+        maps = await self._run(SubRequest(f"attn-{uuid.uuid4().hex}", ids, params, mm=mm))
         return _body(maps, serving, shape)
 
     async def _run(self, sub: SubRequest) -> Any:
@@ -143,6 +147,8 @@ def _body(maps: Any, serving: Any, shape: Any) -> dict[str, Any]:
         "attention": maps.weights.tolist(),
         "score_std": maps.score_std.tolist(), "entropy": maps.entropy.tolist(),
     }
+    if maps.images:  # token offset + j shows patch j - (length - rows * cols), row-major
+        body["images"] = [{"offset": o, "length": n, "rows": r, "cols": c} for o, n, r, c in maps.images]
     return body
 
 

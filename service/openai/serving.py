@@ -249,16 +249,21 @@ class OpenAIServing:
         ids = self.token_ids(text, param="messages", add_special_tokens=False)
         if not refs:
             return ChatPrompt(text, ids)
+        ids, mm = await self.expand_images(refs, ids)
+        return ChatPrompt(text, ids, mm)
+
+    async def expand_images(self, refs: list[ImageRef], ids: list[int]) -> tuple[list[int], Any]:
+        """The rendered prompt's ids with each image placeholder expanded, and its images as the engine
+        takes them (`MultiModalInputs`): the images read, decoded and processed on worker threads."""
         images = await self.images.load_all(refs)
         try:
-            ids, mm = await self._engine.process_images(ids, images)
+            return await self._engine.process_images(ids, images)
         except ImageInputError as exc:  # placeholders and images do not pair up
             raise APIError(f"messages: the chat template did not place each image once: {exc}", param="messages",
                            code="invalid_image") from None
         except ValueError as exc:  # the checkpoint's image processor refused one (HF's: an extreme aspect ratio)
             raise APIError(f"messages: the model's image processor cannot take an image: {exc}", param="messages",
                            code="invalid_image") from None
-        return ChatPrompt(text, ids, mm)
 
     def check_images(self, refs: list[ImageRef]) -> None:
         """A 400 when the model takes no images, or the request has more than the limit."""

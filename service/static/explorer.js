@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { key: sessionStorage.getItem("qkv-key") || "", scaled: null, unscaled: null, input: null };
+const state = { key: sessionStorage.getItem("qkv-key") || "", scaled: null, unscaled: null, input: null, image: null };
 
 function visible(tok) {
   return tok.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
@@ -26,12 +26,27 @@ async function api(path, body) {
 
 function readInput() {
   const text = $("prompt").value;
-  if (document.querySelector("input[name=mode]:checked").value === "prompt") return { prompt: text };
+  if (document.querySelector("input[name=mode]:checked").value === "prompt") {
+    if (state.image) throw new Error("an image goes with chat messages: pick the chat mode");
+    return { prompt: text };
+  }
   const messages = text.split("\n").filter((l) => l.trim()).map((line) => {
     const m = line.match(/^\s*(system|user|assistant)\s*:\s?(.*)$/);
     return m ? { role: m[1], content: m[2] } : { role: "user", content: line };
   });
+  const user = messages.find((m) => m.role === "user");
+  if (state.image && !user) throw new Error("an image goes in a user message: add a line `user: ...`");
+  if (state.image) user.content = [{ type: "image_url", image_url: { url: state.image } }, { type: "text", text: user.content }];
   return { messages };
+}
+
+function readImage(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
 }
 
 async function fetchMaps(input, maxTokens, scale) {
@@ -39,9 +54,9 @@ async function fetchMaps(input, maxTokens, scale) {
 }
 
 async function run(maxTokens = 0) {
-  state.input = readInput();
   setStatus("computing\u2026");
   try {
+    state.input = readInput();
     state.scaled = await fetchMaps(state.input, maxTokens, "sqrt_dk");
     state.unscaled = $("compare").checked ? await fetchMaps(state.input, maxTokens, "none") : null;
     fillSelectors();
@@ -140,6 +155,49 @@ function draw() {
     $("cap-unscaled").textContent = caption(u, li, hi, "without 1/\u221ad_k");
   }
   drawGrid(d, li, hi);
+  drawPatches(d, li, hi);
+}
+
+// Where the chosen query token's attention falls on each image: the image's patch grid (rows x
+// cols, row-major; its token offset + j shows patch j - (length - rows * cols)), each patch shaded
+// by its weight over the image's largest, over the picture when the page sent it.
+function drawPatches(d, li, hi) {
+  $("patches").hidden = !d.images;
+  if (!d.images) return;
+  const sel = $("query"), keep = sel.value, last = d.rows.length - 1;
+  if (sel.options.length !== d.rows.length) {
+    sel.innerHTML = d.rows.map((r, i) => `<option value="${i}">${r}: ${visible(d.tokens[r])}</option>`).join("");
+    sel.value = keep && keep < d.rows.length ? keep : last;
+  }
+  const i = +sel.value, W = d.attention[li][hi][i];
+  $("patch-maps").replaceChildren(...d.images.map((im) => patchMap(im, W, d.rows[i])));
+}
+
+function patchMap(im, W, row) {
+  const fig = document.createElement("figure"), c = document.createElement("canvas");
+  const lead = im.length - im.rows * im.cols, cell = Math.max(8, Math.floor(320 / Math.max(im.rows, im.cols)));
+  c.width = im.cols * cell; c.height = im.rows * cell;
+  const weights = [];  // [patch, weight]; a negative patch is a class token
+  for (let j = 0; j < im.length; j++) weights.push([j - lead, W[im.offset + j]]);
+  const top = Math.max(1e-12, ...weights.map(([, w]) => w));
+  const total = weights.reduce((sum, [, w]) => sum + w, 0);
+  const ctx = c.getContext("2d");
+  const shade = () => weights.forEach(([p, w]) => {
+    if (p < 0) return;
+    ctx.fillStyle = `rgba(220,30,30,${(0.85 * w / top).toFixed(3)})`;
+    ctx.fillRect((p % im.cols) * cell, Math.floor(p / im.cols) * cell, cell, cell);
+  });
+  if (state.image) {
+    const pic = new Image();
+    pic.onload = () => { ctx.drawImage(pic, 0, 0, c.width, c.height); shade(); };
+    pic.src = state.image;
+  } else shade();
+  const cap = document.createElement("figcaption");
+  cap.textContent = row < im.offset ? `image at tokens ${im.offset}-${im.offset + im.length - 1}: after this query (masked)`
+    : `image at tokens ${im.offset}-${im.offset + im.length - 1} (${im.rows}x${im.cols} patches): ` +
+      `${(100 * total).toFixed(1)}% of this query's attention`;
+  fig.append(c, cap);
+  return fig;
 }
 
 function drawGrid(d, li, hi) {
@@ -171,6 +229,11 @@ async function init() {
   $("run").addEventListener("click", () => run(0));
   $("generate").addEventListener("click", generate);
   $("layer").addEventListener("change", draw);
+  $("query").addEventListener("change", draw);
+  $("image").addEventListener("change", async () => {
+    const file = $("image").files[0];
+    state.image = file ? await readImage(file) : null;
+  });
   $("head").addEventListener("change", draw);
   $("compare").addEventListener("change", async () => {
     if ($("compare").checked && state.scaled && !state.unscaled) {
