@@ -284,7 +284,8 @@ QWEN2_VL_TEMPLATE = """{%- for message in messages %}
 """
 
 # style -> special tokens (ids from 0, in this order: append new ones), non-special added tokens,
-# bos, eos, pad, generation-config eos, template, whether the post-processor prepends BOS
+# bos, eos, pad, generation-config eos, template, whether the post-processor prepends BOS, and
+# (when False) that the template writes no tools
 STYLES: dict[str, dict[str, Any]] = {
     "llama3": {"special": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                            "<|eot_id|>", "<|python_tag|>", "<|eom_id|>"],
@@ -302,7 +303,7 @@ STYLES: dict[str, dict[str, Any]] = {
                              "<|image_pad|>", "<|video_pad|>"], "added": [],
                  "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
                  "generation_eos": ["<|im_end|>", "<|endoftext|>"], "template": QWEN2_VL_TEMPLATE,
-                 "prepend_bos": False},
+                 "prepend_bos": False, "tools": False},  # Qwen2-VL's template has no tools
     "mistral": {"special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                             "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
                 "added": [], "bos": "<s>", "eos": "</s>", "pad": None, "generation_eos": ["</s>"],

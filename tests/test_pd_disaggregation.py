@@ -116,7 +116,7 @@ def test_the_decode_replicas_client_counts_each_outcome_and_prefills_itself_on_f
         async def receive(self, transfer):
             return transfer
 
-    async def scenario(fail: BaseException | None) -> SimpleNamespace:
+    async def scenario(fail: BaseException | None, mm: object = None) -> SimpleNamespace:
         metrics = SimpleNamespace(transfers=Recorder(), transfer_bytes=Recorder(), transfer_fetch_time=Recorder(),
                                   transfer_time=Recorder())
 
@@ -137,7 +137,7 @@ def test_the_decode_replicas_client_counts_each_outcome_and_prefills_itself_on_f
                     return call()
 
         client = RemotePrefill(Handle(), host, min_tokens=32, timeout_s=5, connector=Connector())
-        requests = [SubRequest(f"r{i}", prompts[0], SamplingParams()) for i in range(2)]  # n=2: one prompt
+        requests = [SubRequest(f"r{i}", prompts[0], SamplingParams(), mm=mm) for i in range(2)]  # n=2: one prompt
         await client.fetch(requests + [SubRequest("short", [1, 2, 3], SamplingParams())])
         return metrics
 
@@ -146,6 +146,9 @@ def test_the_decode_replicas_client_counts_each_outcome_and_prefills_itself_on_f
     assert ok.transfer_bytes.calls == [(5 * decode.engine.incoming.pool.block_nbytes, None)]
     assert len(ok.transfer_time.calls) == 1 and len(ok.transfer_fetch_time.calls) == 1
     assert decode.engine.incoming.num_blocks == 5
+    # A prompt with images is prefilled where it decodes (the prefill deployment takes ids only).
+    with_images = asyncio.run(scenario(RuntimeError("must not be called"), mm=object()))
+    assert with_images.transfers.calls == []
     failed = asyncio.run(scenario(RuntimeError("the prefill replica died")))
     assert failed.transfers.calls == [(1.0, {"outcome": "failed"})] and failed.transfer_bytes.calls == []
     # Once the decode engine has computed the prompt, its pool holds every full block: no call at all.

@@ -113,7 +113,7 @@ def _prompt_ids(client: Any, engine: Any, body: dict[str, Any]) -> list[int]:
 
 
 @pytest.mark.parametrize("ends_after_results", [True, False], ids=["ends-after-results", "next-user-turn"])
-@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("style", sorted(s for s in STYLES if STYLES[s].get("tools", True)))
 def test_agent_conversation_prompt_equals_apply_chat_template(edge: Callable[[str], Edge], style: str,
                                                                ends_after_results: bool) -> None:
     client, engine, hf = edge(style)

@@ -85,8 +85,10 @@ class RemotePrefill:
     async def fetch(self, requests: list[Any]) -> None:
         """Get the blocks of each distinct long prompt of `requests` (the choices of one HTTP
         request share theirs) into this replica's engine; a failure leaves the prompt to be
-        prefilled here."""
-        prompts = {(tuple(r.prompt_token_ids), r.lora) for r in requests if len(r.prompt_token_ids) >= self.min_tokens}
+        prefilled here. A prompt with images is prefilled here: the prefill deployment takes token
+        ids only, and blocks computed without the images would never match its block hashes."""
+        prompts = {(tuple(r.prompt_token_ids), r.lora) for r in requests
+                   if len(r.prompt_token_ids) >= self.min_tokens and getattr(r, "mm", None) is None}
         for prompt, lora in prompts:
             held, full = self.host.engine.cached_prefix_blocks(list(prompt), lora)
             if held >= full:  # this replica's pool holds every block a prefill would send
