@@ -209,3 +209,29 @@ def test_int8_quantizes_the_decoder_not_the_vision_tower(vl_dir: Path, llm: LLM)
     assert not any(isinstance(m, QuantizedLinear) for m in net.visual.modules())
     prompt = {"prompt": PROMPT_1, "multi_modal_data": {"image": random_image(60)}}
     assert len(q.generate(prompt, GREEDY)[0].token_ids) == 32
+
+
+def test_the_older_flat_layout_loads_the_same_model(vl_dir: Path, llm: LLM, tmp_path: Path) -> None:
+    """Checkpoints saved before transformers 4.52 (most on the Hub): text fields at the top of
+    config.json, `rope_scaling: {type: mrope}`, `in_chans`, and tensors named `model.*` / `visual.*`."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads((vl_dir / "config.json").read_text())
+    flat = {**raw.pop("text_config"), **raw}
+    rope = flat.pop("rope_parameters")
+    flat["rope_theta"] = rope.pop("rope_theta")
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    flat["vision_config"]["in_chans"] = flat["vision_config"].pop("in_channels")
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in vl_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (old / f.name).write_bytes(f.read_bytes())
+    (old / "config.json").write_text(json.dumps(flat))
+    tensors = load_file(str(vl_dir / "model.safetensors"))
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in tensors.items()}
+    assert any(k.startswith("visual.") for k in renamed) and not any("language_model" in k for k in renamed)
+    save_file(renamed, str(old / "model.safetensors"))
+    prompt = {"prompt": PROMPT_1, "multi_modal_data": {"image": random_image(70)}}
+    assert LLM(str(old), dtype="float32").generate(prompt, GREEDY)[0].token_ids == llm.generate(prompt, GREEDY)[0].token_ids
