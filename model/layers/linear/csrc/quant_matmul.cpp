@@ -286,10 +286,11 @@ struct V256 {
     return {w, _mm256_abs_epi8(w)};
   }
   static W wload4(const uint8_t* q) {  // 32 codes from 16 bytes
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    return {_mm256_setzero_si256(), _mm256_set_m128i(hi, lo)};
+    // The 16 bytes in both halves; the upper half's 32-bit lanes shifted right by 4 bring each
+    // byte's high nibble down (the bits shifted in from the next byte are masked off).
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m256i s = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return {_mm256_setzero_si256(), _mm256_and_si256(s, _mm256_set1_epi8(15))};  // elements 0-15, 16-31
   }
   static fvec madd(ivec u, ivec s) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
@@ -339,13 +340,15 @@ constexpr int kIntPath = 0;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // R rows of activations (codes xc, row stride k; lane scales xs, row stride k / 4) against one
-// weight row: out[i * stride] = the formula above without the offsets' term. V::step divides
-// the group size.
+// weight row: out[i * stride] = the formula above. The offsets' term (offset: the weight row's,
+// or null; gs: each x row's group sums, row stride k / group) is a scalar sum per x row beside
+// the vector work, which hides its chain of adds. V::step divides the group size.
 template <class V, int R>
 inline void q8_rows(const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k, int64_t group,
-                    const float* scale, float* out, int64_t stride) {
+                    const float* scale, const float* offset, const float* gs, float* out, int64_t stride) {
   typename V::fvec acc[R], part[R];
-  for (int i = 0; i < R; ++i) acc[i] = V::zero();
+  float off[R];
+  for (int i = 0; i < R; ++i) acc[i] = V::zero(), off[i] = 0.f;
   const int64_t groups = k / group;
   for (int64_t g = 0; g < groups; ++g) {
     for (int i = 0; i < R; ++i) part[i] = V::zero();
@@ -359,26 +362,29 @@ inline void q8_rows(const int8_t* xc, const float* xs, const void* qrow, int64_t
     }
     const typename V::fvec s = V::set(scale[g]);
     for (int i = 0; i < R; ++i) acc[i] = V::fma(part[i], s, acc[i]);
+    if (offset)
+      for (int i = 0; i < R; ++i) off[i] += offset[g] * gs[i * groups + g];
   }
-  for (int i = 0; i < R; ++i) out[i * stride] = V::sum(acc[i]);
+  for (int i = 0; i < R; ++i) out[i * stride] = V::sum(acc[i]) + off[i];
 }
 
 template <class V>
 inline void q8_block(int64_t rows, const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k,
-                     int64_t group, const float* scale, float* out, int64_t stride) {
+                     int64_t group, const float* scale, const float* offset, const float* gs, float* out,
+                     int64_t stride) {
   switch (rows) {
-    case 4: q8_rows<V, 4>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
-    case 3: q8_rows<V, 3>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
-    case 2: q8_rows<V, 2>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
-    default: q8_rows<V, 1>(xc, xs, qrow, bits, k, group, scale, out, stride); break;
+    case 4: q8_rows<V, 4>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
+    case 3: q8_rows<V, 3>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
+    case 2: q8_rows<V, 2>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
+    default: q8_rows<V, 1>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
   }
 }
 #endif
 
 // The same without vectors (and for groups the vector step does not divide).
 inline float q8_row_scalar(const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k,
-                           int64_t group, const float* scale) {
-  float y = 0.f;
+                           int64_t group, const float* scale, const float* offset, const float* gs) {
+  float y = 0.f, off = 0.f;
   for (int64_t g = 0; g < k / group; ++g) {
     float part = 0.f;
     for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
@@ -397,8 +403,9 @@ inline float q8_row_scalar(const int8_t* xc, const float* xs, const void* qrow, 
       part += static_cast<float>(t) * xs[b / 4];
     }
     y += part * scale[g];
+    if (offset) off += offset[g] * gs[g];
   }
-  return y;
+  return y + off;
 }
 
 // `path` -1: the best this build has; 1 or 0: at most AVX2's, or the scalar loop (tests).
@@ -440,34 +447,28 @@ at::Tensor quant_matmul_q8(const at::Tensor& x_in, const at::Tensor& qweight, co
         const int64_t rows = std::min<int64_t>(4, m - i);
         const int8_t* xci = xc + i * k;
         const float* xsi = xs + i * (k / 4);
+        const float* gsi = op ? xq.gsum.data() + i * groups : nullptr;
         for (int64_t r = s0; r < s1; ++r) {
           const void* qrow = qp + r * row_bytes;
           const float* sr = sp + r * groups;
+          const float* orow = op ? op + r * groups : nullptr;
           float* y = yp + i * n + r;
           if (!vector) {
             for (int64_t t = 0; t < rows; ++t)
-              y[t * n] = q8_row_scalar(xci + t * k, xsi + t * (k / 4), qrow, bits, k, group, sr);
+              y[t * n] = q8_row_scalar(xci + t * k, xsi + t * (k / 4), qrow, bits, k, group, sr, orow,
+                                       op ? gsi + t * groups : nullptr);
             continue;
           }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
           if (vector == 2) {
-            q8_block<V512>(rows, xci, xsi, qrow, bits, k, group, sr, y, n);
+            q8_block<V512>(rows, xci, xsi, qrow, bits, k, group, sr, orow, gsi, y, n);
             continue;
           }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-          q8_block<V256>(rows, xci, xsi, qrow, bits, k, group, sr, y, n);
+          q8_block<V256>(rows, xci, xsi, qrow, bits, k, group, sr, orow, gsi, y, n);
 #endif
         }
-        if (op)
-          for (int64_t t = 0; t < rows; ++t) {
-            const float* gs = xq.gsum.data() + (i + t) * groups;
-            for (int64_t r = s0; r < s1; ++r) {
-              float o = 0.f;
-              for (int64_t g = 0; g < groups; ++g) o += op[r * groups + g] * gs[g];
-              yp[(i + t) * n + r] += o;
-            }
-          }
       }
     }
   });
