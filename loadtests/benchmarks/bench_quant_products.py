@@ -2,7 +2,8 @@
 shaped stack (24 layers of q/o 896x896, k/v 128x896, gate/up 4864x896, down 896x4864: 358M
 weights), cycled in order so each weight comes from memory, through the int8-activation kernel
 (`quant_matmul_q8`: int8 and int4 weights, groups of 128) and, as the same run's baseline, the
-project's dense float32 product (`model.layers.linear.dense.linear`).
+project's dense float32 product (`model.layers.linear.dense.linear`, its kernel as the engine
+uses it).
 
 For M rows (1: batch-1 decode; 16), the median time of a pass over the stack, the rate the weights
 are read at (their bytes over the time), and each format's time against float32's and int8's.
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
-from model.layers.linear.dense import linear  # noqa: E402
+from model.layers.linear.dense import kernel_available as dense_kernel, linear  # noqa: E402
 from model.layers.linear.kernel import int8_path, quant_matmul_q8  # noqa: E402
 from model.layers.linear.quantized import QuantizedLinear  # noqa: E402
 
@@ -75,6 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     if int8_path() == 0:
         sys.exit("the quantized-matmul kernel has no integer vector path on this CPU")
+    dense_kernel()  # float32 through the engine's own path: the dense kernel where it builds
     stacks = {"float32": stack(None), "int8": stack(8), "int4": stack(4)}
     sizes = {name: nbytes(w) for name, w in stacks.items()}
     # The integer paths this CPU has: 2 AVX-512 VNNI (two blocks a step), 1 AVX2 (what the AVX2
