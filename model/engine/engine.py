@@ -81,6 +81,11 @@ class EngineStats:
     kv_share_load_seconds: float = 0.0
     kv_share_errors: int = 0
     kv_share_skipped_blocks: int = 0
+    # Vision models (model/multimodal/encoder_cache.py), totals since start: images run through the
+    # encoder, images whose embeddings came from the encoder cache, time spent encoding.
+    mm_images_encoded: int = 0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_seconds: float = 0.0
 
 
 @dataclass
@@ -422,12 +427,19 @@ class Engine:
                                "lora_adapters_loaded": len(self.lora.slot_of), "lora_adapter_loads": self.lora.num_loads,
                                "lora_adapter_evictions": self.lora.num_evictions,
                                "lora_resident": tuple(self.lora.slot_of)}),
-                           **self._tier_stats())
+                           **self._tier_stats(), **self._encoder_stats())
 
     def _tier_stats(self) -> dict[str, int | float]:
         """The tiers' OffloadStats as EngineStats' kv_offload_* and kv_share_* fields (the same names, prefixed)."""
         return {f"{prefix}_{name}": value for prefix, tier in (("kv_offload", self.kv_offload), ("kv_share", self.kv_share))
                 if tier is not None for name, value in asdict(tier.stats).items()}
+
+    def _encoder_stats(self) -> dict[str, int | float]:
+        cache = getattr(self.runner, "encoder_cache", None)
+        if cache is None:
+            return {}
+        return {"mm_images_encoded": cache.misses, "mm_encoder_cache_hits": cache.hits,
+                "mm_encoder_seconds": cache.encode_seconds}
 
     # ---- the step -------------------------------------------------------------------
 

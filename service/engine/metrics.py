@@ -107,6 +107,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("transfer_time", "qkv_kv_transfer_seconds", "histogram",
                "From a decode replica's call to the prefill deployment until the blocks are in its engine "
                "(the remote prefill and the transfer).", buckets=_LATENCY_BUCKETS),
+    MetricSpec("mm_encoded", "qkv_mm_images_encoded_total", "counter",
+               "Images run through a vision model's encoder (one found in the encoder cache is not encoded again)."),
+    MetricSpec("mm_cache_hits", "qkv_mm_encoder_cache_hits_total", "counter",
+               "Images whose embeddings came from the encoder cache (a prefill chunk after the first, a "
+               "preempted request's recompute, the same picture in another request)."),
+    MetricSpec("mm_encoder_time", "qkv_mm_encoder_seconds_total", "counter",
+               "Time spent in the vision encoder, inside engine steps."),
     MetricSpec("spec_drafts", "qkv_spec_decode_num_draft_tokens_total", "counter",
                "Speculative tokens proposed and verified."),
     MetricSpec("spec_accepted", "qkv_spec_decode_num_accepted_tokens_total", "counter",
@@ -247,6 +254,8 @@ class EngineMetrics:
         return (("num_preemptions_total", self.preemptions),
                 ("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
                 ("lora_adapter_loads", self.lora_loads), ("lora_adapter_evictions", self.lora_evictions),
+                ("mm_images_encoded", self.mm_encoded), ("mm_encoder_cache_hits", self.mm_cache_hits),
+                ("mm_encoder_seconds", self.mm_encoder_time),
                 *((f"kv_{short}_{field}", getattr(self, f"{short}_{suffix}"))
                   for short in ("offload", "share") for field, suffix, _ in TIER_COUNTERS))
 
