@@ -128,7 +128,7 @@ def test_only_the_files_a_checkpoint_needs_are_fetched(tmp_path: Path, monkeypat
     assert resolve_model_dir("org/sharded", revision="r1") == str(tmp_path)
     (_, rev, first), (_, _, second) = calls
     assert rev == "r1" and {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                            "model.safetensors.index.json"} <= set(first)
+                            "model.safetensors.index.json", "preprocessor_config.json", "chat_template.json"} <= set(first)
     assert not any("*" in p or p.endswith((".bin", ".pth", ".pt")) for p in first)
     assert second == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 

@@ -1,5 +1,6 @@
-"""LLaVA through the HTTP edge with the official `openai` client: a chat with an image equals the
-offline engine on HF's rendering of the same messages, and `/v1/attention` over the image says
+"""LLaVA through the HTTP edge with the official `openai` client, its chat template only in the
+processor's chat_template.json (as llava-hf ships it): a chat with an image equals the offline
+engine on HF's rendering of the same messages, and `/v1/attention` over the image says
 where its 4x4 patch grid sits (CLIP's class token dropped) with the offline maps' weights."""
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ MESSAGES = [{"role": "user", "content": [{"type": "image_url", "image_url": {"ur
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = save_tiny_llava(tmp_path_factory.mktemp("llava"), "clip-layer-2-default")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": TEMPLATE}
+    # As llava-hf ships it: the template only in the processor's chat_template.json.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     return directory
 
 
@@ -54,8 +57,8 @@ def hf_prompt(directory: Path) -> list[int]:
 
     hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
     tok = AutoTokenizer.from_pretrained(str(directory))
-    return tok.encode(tok.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False),
-                      add_special_tokens=False)
+    text = tok.apply_chat_template(hf_messages, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
 
 
 def test_chat_and_attention_over_an_image_equal_the_offline_engine(llava_dir: Path) -> None:

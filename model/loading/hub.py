@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 # `org/name`: what the hub accepts as a model id (one slash, no leading dot or dash).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 SMALL_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json"]
+               "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json",
+               # vision models: the image processor's config, and the chat template processors save
+               "preprocessor_config.json", "chat_template.json"]
 SINGLE_WEIGHTS = "model.safetensors"
 
 

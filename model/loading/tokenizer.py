@@ -242,7 +242,8 @@ def _special_token(tok_config: dict[str, Any], special_map: dict[str, Any], name
 
 def _find_chat_template(directory: Path, tok_config: dict[str, Any]) -> str | None:
     """tokenizer_config.json's "chat_template" (a string, or a list of named templates), else
-    the separate `chat_template.jinja` that newer transformers versions write."""
+    the separate `chat_template.jinja` that newer transformers versions write, else the
+    `chat_template.json` a vision model's processor saves (llava-hf's only template)."""
     template = tok_config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -250,7 +251,13 @@ def _find_chat_template(directory: Path, tok_config: dict[str, Any]) -> str | No
     if isinstance(template, str):
         return template
     jinja = directory / "chat_template.jinja"
-    return jinja.read_text("utf-8") if jinja.is_file() else None
+    if jinja.is_file():
+        return jinja.read_text("utf-8")
+    processor = directory / "chat_template.json"
+    if processor.is_file():
+        template = json.loads(processor.read_text("utf-8")).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
 
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int) -> Tokenizer:
