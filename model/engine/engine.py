@@ -343,14 +343,15 @@ class Engine:
         `add_request(mm=...)` takes them (model/multimodal/processor.py). ValueError for a text model or
         placeholders that do not pair with the images. Pure CPU work off the step: a server calls it
         on another thread."""
+        return self._vision().process(prompt_token_ids, images)
+
+    def _vision(self) -> ImageProcessor:
         if self.image_processor is None:
             raise ImageInputError(f"model {self.model_name!r} does not take images (it has no vision encoder)")
-        return self.image_processor.process(prompt_token_ids, images)
+        return self.image_processor
 
     def _check_images(self, prompt: list[int], mm: MultiModalInputs) -> None:
-        if self.image_processor is None:
-            raise ImageInputError(f"model {self.model_name!r} does not take images (it has no vision encoder)")
-        token = self.model_config.vision.image_token_id
+        token = self._vision().vision.image_token_id
         covered = sum(im.length for im in mm.images)
         if any(im.end > len(prompt) or any(t != token for t in prompt[im.offset:im.end]) for im in mm.images) \
                 or sum(t == token for t in prompt) != covered:
