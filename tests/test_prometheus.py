@@ -160,7 +160,8 @@ def test_ttft_p50_matches_what_clients_saw(prom: PrometheusServer, traffic: dict
 NOT_STARTED_HERE = {"ray_qkv_spec_decode_": "no speculative_config",
                     "ray_qkv_prefix_cache_hits_total": "no prompt shares a full block with another",
                     "ray_qkv_num_preemptions_total": "the KV cache never runs out",
-                    "ray_qkv_tenant_": "no api_keys_file (tests/test_tenancy_service.py scrapes them)"}
+                    "ray_qkv_tenant_": "no api_keys_file (tests/test_tenancy_service.py scrapes them)",
+                    "ray_qkv_mm_": "a text model (tests/test_vision_qwen2_vl.py checks the counters follow the engine)"}
 
 
 def _dashboard_exprs() -> list[tuple[str, str]]:
