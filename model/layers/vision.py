@@ -1,5 +1,6 @@
 """What the vision-language models share: image embeddings put in place of their placeholder
-tokens' embeddings, and the activations vision towers and projectors name (HF's names)."""
+tokens' embeddings, the activations vision towers and projectors name (HF's names), and the
+towers' two-layer MLP."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from model.config import VisionConfig
 from model.layers.kv_cache import AttnMetadata
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -34,3 +37,16 @@ def merge_image_embeds(x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         return x
     rows, embeds = meta.mm_embeds  # (N,) long, (N, d_model)
     return x.index_put((rows,), embeds.to(x.dtype))
+
+
+class VisionMLP(nn.Module):
+    """fc2(act(fc1(x))): the MLP of CLIP's, SigLIP's and Qwen2-VL's tower blocks (HF's names)."""
+
+    def __init__(self, v: VisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.act = activation(v.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import VisionConfig
-from model.layers.vision import activation
+from model.layers.vision import VisionMLP
 
 
 def used_layers(v: VisionConfig) -> int:
@@ -71,17 +71,6 @@ class VisionAttention(nn.Module):
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v)  # (B, H, N, hd), scale hd ** -0.5
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, v: VisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-        self.act = activation(v.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionEncoderLayer(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 
 from model.config import VisionConfig
 from model.layers.norms import RMSNorm
-from model.layers.vision import activation
+from model.layers.vision import VisionMLP, activation
 
 def patch_positions(grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
     """(t*h*w, 2) (row, column) of each patch, in the processor's order: merge x merge blocks
@@ -58,18 +58,7 @@ class VisionAttention(nn.Module):
         return self.proj(out)
 
 
-class VisionMlp(nn.Module):
-    def __init__(self, v: VisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-        self.act = activation(v.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class GatedVisionMlp(nn.Module):
+class GatedVisionMLP(nn.Module):
     """Qwen2.5-VL's: down(act(gate(x)) * up(x)), with biases."""
 
     def __init__(self, v: VisionConfig) -> None:
@@ -96,7 +85,7 @@ class VisionBlock(nn.Module):
         self.norm1 = vision_norm(v, v.hidden_size)
         self.norm2 = vision_norm(v, v.hidden_size)
         self.attn = VisionAttention(v.hidden_size, v.num_heads)
-        self.mlp = GatedVisionMlp(v) if v.window_size else VisionMlp(v)
+        self.mlp = GatedVisionMLP(v) if v.window_size else VisionMLP(v)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
