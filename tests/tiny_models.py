@@ -68,6 +68,15 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
+def add_noise(model: nn.Module, names: tuple[str, ...], scale: float = 0.1) -> None:
+    """Noise on every bias and on the parameters whose names hold one of `names` (norms: HF
+    initialises them to 0 and 1), so a mix-up of any two tensors changes the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or any(n in name for n in names):
+                p.add_(torch.randn_like(p) * scale)
+
+
 def build_tiny_gpt2(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, vocab_size: int = 301,
                     n_positions: int = 128, seed: int = 0, eos_token_id: int | None = 0):
     """A random `transformers.GPT2LMHeadModel` in eval mode, the same for one seed.
@@ -82,10 +91,7 @@ def build_tiny_gpt2(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, vocab_s
                         initializer_range=0.1)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    add_noise(model, (".ln_",))
     return model
 
 
@@ -165,10 +171,7 @@ def build_tiny_llama(arch: str = "llama", seed: int = 0, **overrides):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    add_noise(model, ("norm",))
     return model
 
 

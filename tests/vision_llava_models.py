@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiny_models import build_tokenizer
+from tiny_models import add_noise, build_tokenizer
 
 IMAGE_TOKEN = "<image>"
 TEXT_VOCAB = 300  # BPE ids 0..299 (0 is EOS); <image> is 300
@@ -56,10 +56,7 @@ def build_tiny_llava(case: str, seed: int = 0):
                          tie_word_embeddings=text.tie_word_embeddings)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    add_noise(model, ("norm",))
     return model
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tests.chat_tokenizers import write_chat_tokenizer
+from tests.tiny_models import add_noise
 
 # Qwen2-VL's special tokens in the "qwen2_vl" chat tokenizer (tests/chat_tokenizers.py), by id.
 QWEN2_VL_IDS = {"vision_start": 3, "vision_end": 4, "image_pad": 5, "video_pad": 6, "im_end": 2}
@@ -50,10 +51,7 @@ def build_tiny_qwen2_vl(seed: int = 0, vocab_size: int = 400, version: str = "2"
                           vision_end_token_id=QWEN2_VL_IDS["vision_end"], tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = model_class(config).eval()
-    with torch.no_grad():  # biases and norms get noise too, so a mix-up of any two tensors shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_q" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    add_noise(model, ("norm", "ln_q"))
     return model
 
 
