@@ -1,6 +1,7 @@
 """The replica's own parts in the test's process: a real `Engine` on its step thread
 (`EngineHost`) behind the real HTTP edge (`build_api`), no Ray. Fast enough for many requests
-with the official clients over an ASGI transport."""
+with the official clients over an ASGI transport. Also a recorder of what the replica's metrics
+add to their counters (`recorded_counters`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ class NullMetrics:
 
     def refresh(self, stats: Any) -> None:
         pass
+
+
+def recorded_counters(metrics: Any, names: dict[str, str]) -> dict[str, list[float]]:
+    """Record each increment of `metrics`' counters named by `names` (attribute -> the exported
+    name it must have) instead of sending it to Ray: what `EngineMetrics.refresh` adds, by attribute."""
+    calls: dict[str, list[float]] = {}
+    for attr, name in names.items():
+        counter = getattr(metrics, attr)
+        assert counter._name == name
+        counter.inc = lambda v, tags=None, attr=attr: calls.setdefault(attr, []).append(v)
+    return calls
 
 
 @contextlib.asynccontextmanager

@@ -253,20 +253,18 @@ def test_a_tier_smaller_than_one_block_is_refused() -> None:
 def test_the_service_exports_the_tiers_totals_as_counters(reference, tmp_path) -> None:
     """service/engine/metrics.py: each qkv_kv_offload_* counter gets what the engine's totals
     added since the last refresh (Ray's metric objects, their inc recorded)."""
+    from in_process import recorded_counters
     from service.engine.metrics import EngineMetrics
 
     llm = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=12, kv_offload_bytes=64 << 20))
     run_one_by_one(llm)
     llm.engine.kv_offload.flush()
     st = llm.engine.stats()
-    metrics, calls = EngineMetrics("tiny"), {}
-    names = {"offload_saved": "qkv_kv_offload_saved_blocks_total", "offload_loaded": "qkv_kv_offload_loaded_blocks_total",
-             "offload_written": "qkv_kv_offload_bytes_written_total", "offload_read": "qkv_kv_offload_bytes_read_total",
-             "offload_load_time": "qkv_kv_offload_load_seconds_total", "offload_errors": "qkv_kv_offload_errors_total"}
-    for attr, name in names.items():
-        counter = getattr(metrics, attr)
-        assert counter._name == name
-        counter.inc = lambda v, tags=None, attr=attr: calls.setdefault(attr, []).append(v)
+    metrics = EngineMetrics("tiny")
+    calls = recorded_counters(metrics, {
+        "offload_saved": "qkv_kv_offload_saved_blocks_total", "offload_loaded": "qkv_kv_offload_loaded_blocks_total",
+        "offload_written": "qkv_kv_offload_bytes_written_total", "offload_read": "qkv_kv_offload_bytes_read_total",
+        "offload_load_time": "qkv_kv_offload_load_seconds_total", "offload_errors": "qkv_kv_offload_errors_total"})
     metrics.refresh(st)
     metrics.refresh(st)  # nothing new: no increment
     assert calls["offload_loaded"] == [st.kv_offload_loaded_blocks] and calls["offload_saved"] == [st.kv_offload_saved_blocks]

@@ -241,18 +241,16 @@ def test_the_encoders_totals_reach_the_services_counters(vl_dir: Path) -> None:
     """EngineStats carries the encoder cache's totals; service/engine/metrics.py adds what each
     refresh finds new to qkv_mm_* counters (Ray's metric objects, their inc recorded)."""
     from service.engine.metrics import EngineMetrics
+    from tests.in_process import recorded_counters
 
     engine = Engine(str(vl_dir), EngineConfig(enable_prefix_caching=False), dtype="float32")
     _run(engine, {f"r{i}": engine.process_images(PROMPT_1, [random_image(80 + i % 2)]) for i in range(3)})
     st = engine.stats()
     assert (st.mm_images_encoded, st.mm_encoder_cache_hits) == (2, 1) and st.mm_encoder_seconds > 0
-    metrics, calls = EngineMetrics("tiny-vl"), {}
-    names = {"mm_encoded": "qkv_mm_images_encoded_total", "mm_cache_hits": "qkv_mm_encoder_cache_hits_total",
-             "mm_encoder_time": "qkv_mm_encoder_seconds_total"}
-    for attr, name in names.items():
-        counter = getattr(metrics, attr)
-        assert counter._name == name
-        counter.inc = lambda v, tags=None, attr=attr: calls.setdefault(attr, []).append(v)
+    metrics = EngineMetrics("tiny-vl")
+    calls = recorded_counters(metrics, {"mm_encoded": "qkv_mm_images_encoded_total",
+                                        "mm_cache_hits": "qkv_mm_encoder_cache_hits_total",
+                                        "mm_encoder_time": "qkv_mm_encoder_seconds_total"})
     metrics.refresh(st)
     metrics.refresh(st)  # nothing new: no increment
     assert calls == {"mm_encoded": [2], "mm_cache_hits": [1], "mm_encoder_time": [st.mm_encoder_seconds]}
