@@ -63,7 +63,7 @@ class Base64Source(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["base64"]
-    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    media_type: Literal[IMAGE_MEDIA_TYPES]  # the tuple's four values
     data: Annotated[str, Field(min_length=1)]
 
 
