@@ -137,7 +137,19 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module
     (built on the meta device: no random init, no float32 detour)."""
     with torch.device("meta"):
         model = build_model(cfg)
+    check_no_constant_buffers(model)
     return model.to(dtype=dtype).to_empty(device=device)
+
+
+def check_no_constant_buffers(model: nn.Module) -> None:
+    """A non-persistent buffer (a constant table the model computes itself) comes out of the meta
+    device uninitialised, and no checkpoint fills it: refuse one, naming it. Such tables are
+    `model.layers.positions.PerDevice` constants instead."""
+    found = sorted(set(dict(model.named_buffers())) - set(model.state_dict()))
+    if found:
+        raise TypeError(f"{type(model).__name__} registers non-persistent buffers ({', '.join(found)}), which "
+                        "loading through the meta device leaves uninitialised; keep constant tables as "
+                        "model.layers.positions.PerDevice")
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -14,6 +14,7 @@ from torch import nn
 
 from model.config import VisionConfig
 from model.layers.norms import RMSNorm
+from model.layers.positions import PerDevice, rope_inv_freq
 from model.layers.vision import VisionMLP, activation
 
 def patch_positions(grid_thw: tuple[int, int, int], merge: int) -> torch.Tensor:
@@ -117,13 +118,15 @@ class Qwen2VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(v) for _ in range(v.depth))
         self.merger = PatchMerger(v, out_dim)
         spatial = v.hidden_size // v.num_heads // 2  # half of each head rotates by row, half by column
-        self.register_buffer("inv_freq", 1.0 / rope_theta ** (torch.arange(0, spatial, 2).float() / spatial),
-                             persistent=False)
+        # A constant, not a buffer: a model loaded through the meta device gets its buffers
+        # uninitialised (model/layers/positions.py keeps its tables the same way).
+        self.inv_freq = PerDevice(rope_inv_freq(spatial, rope_theta, None))
 
     def rotary(self, grid_thw: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (N, 1, head_dim) float32 of each patch's (row, column)."""
-        pos = patch_positions(grid_thw, self.v.spatial_merge_size).to(self.inv_freq.device)  # (N, 2)
-        freqs = (pos[..., None].float() * self.inv_freq).flatten(1)  # (N, head_dim / 2): rows' then columns'
+        device = self.patch_embed.proj.weight.device
+        pos = patch_positions(grid_thw, self.v.spatial_merge_size).to(device)  # (N, 2)
+        freqs = (pos[..., None].float() * self.inv_freq.on(device)).flatten(1)  # (N, head_dim / 2): rows' then columns'
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos(), emb.sin()
 
