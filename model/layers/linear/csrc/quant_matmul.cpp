@@ -268,19 +268,20 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group,
 // One vector step of the product: V256 takes one block of 32 weights (AVX2: maddubs + madd; the
 // pairs' sums stay below 2^15: 2 * 127 * 127 for int8, 2 * 15 * 127 for int4), V512 two blocks
 // (AVX-512 VNNI's vpdpbusd; int32 lanes 0-7 hold the first block, 8-15 the second). `wload*`
-// readies a step's weights once for all rows of x: unsigned magnitudes plus the sign the
-// activations take (int8), or the 4-bit codes in element order (int4).
+// readies a step's weights once for all rows of x (int4: the 4-bit codes in element order; int8:
+// see each struct), `xprep8` a step's activations once for all weight rows.
 struct V256 {
   static constexpr int64_t step = 32;
   using ivec = __m256i;
   using fvec = __m256;
-  struct W { ivec sign; ivec u; };
+  struct W { ivec sign; ivec u; };  // int8: the codes (whose signs x takes) and their magnitudes
   static fvec zero() { return _mm256_setzero_ps(); }
   static fvec fma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
   static fvec set(float v) { return _mm256_set1_ps(v); }
   static fvec load(const float* p) { return _mm256_loadu_ps(p); }
   static float sum(fvec v) { return hsum(v); }
   static ivec xload(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static ivec xprep8(ivec x) { return x; }
   static W wload8(const int8_t* q) {
     const ivec w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     return {w, _mm256_abs_epi8(w)};
@@ -305,30 +306,32 @@ struct V512 {
   static constexpr int64_t step = 64;
   using ivec = __m512i;
   using fvec = __m512;
-  struct W { ivec u; __mmask64 neg; };
+  // int8: the signed codes and -128 * the sum of each lane's four (the activations enter
+  // vpdpbusd as unsigned bytes, c + 128, and the lane's sum starts from this correction);
+  // int4: the codes in element order, nothing to correct.
+  struct W { ivec q; ivec base; };
   static fvec zero() { return _mm512_setzero_ps(); }
   static fvec fma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
   static fvec set(float v) { return _mm512_set1_ps(v); }
   static fvec load(const float* p) { return _mm512_loadu_ps(p); }
   static float sum(fvec v) { return _mm512_reduce_add_ps(v); }
   static ivec xload(const int8_t* p) { return _mm512_loadu_si512(p); }
+  static ivec xprep8(ivec x) { return _mm512_xor_si512(x, _mm512_set1_epi8(static_cast<char>(0x80))); }
   static W wload8(const int8_t* q) {
     const ivec w = _mm512_loadu_si512(q);
-    return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+    const ivec sum128 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w);
+    return {w, _mm512_sub_epi32(_mm512_setzero_si512(), sum128)};
   }
   static W wload4(const uint8_t* q) {  // 64 codes from 32 bytes (two blocks of the packed layout)
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     const __m256i mask = _mm256_set1_epi8(15);
     const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
     const ivec c = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo0 lo1 hi0 hi1
-    return {_mm512_shuffle_i64x2(c, c, _MM_SHUFFLE(3, 1, 2, 0)), 0};        // lo0 hi0 lo1 hi1
+    return {_mm512_shuffle_i64x2(c, c, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_setzero_si512()};  // lo0 hi0 lo1 hi1
   }
-  static fvec dot8(const W& w, ivec x) {
-    const ivec sx = _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x);
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.u, sx));
-  }
+  static fvec dot8(const W& w, ivec xu) { return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(w.base, xu, w.q)); }
   static fvec dot4(const W& w, ivec x) {
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.u, x));
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q, x));
   }
 };
 constexpr int kIntPath = 2;
@@ -339,45 +342,79 @@ constexpr int kIntPath = 0;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// R rows of activations (codes xc, row stride k; lane scales xs, row stride k / 4) against one
-// weight row: out[i * stride] = the formula above. The offsets' term (offset: the weight row's,
-// or null; gs: each x row's group sums, row stride k / group) is a scalar sum per x row beside
-// the vector work, which hides its chain of adds. V::step divides the group size.
-template <class V, int R>
-inline void q8_rows(const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k, int64_t group,
-                    const float* scale, const float* offset, const float* gs, float* out, int64_t stride) {
-  typename V::fvec acc[R], part[R];
-  float off[R];
-  for (int i = 0; i < R; ++i) acc[i] = V::zero(), off[i] = 0.f;
+constexpr int kTileRows = 2;  // more measured slower: the accumulators no longer fit in registers
+
+// RW weight rows (row stride row_bytes; their scales and offsets at stride `groups`) against RX
+// rows of activations (codes xc, row stride k; lane scales xs, row stride k / 4): out[i * stride
+// + a] = the formula above for x row i and weight row a. Each step's weights are readied once for
+// the RX x rows and each x block once for the RW weight rows. Every (x row, weight row) pair is
+// summed in the same order whatever the tile (the offsets' term by std::fma, which no compiler
+// contracts differently), so a row of y does not depend on M. The offsets' term (gs: each x row's
+// group sums, row stride k / group) is a scalar sum beside the vector work.
+template <class V, int BITS, int RW, int RX>
+inline void q8_tile(const int8_t* xc, const float* xs, const uint8_t* q, int64_t row_bytes, int64_t k,
+                    int64_t group, const float* scale, const float* offset, const float* gs, float* out,
+                    int64_t stride) {
+  typename V::fvec acc[RW][RX], part[RW][RX];
+  float off[RW][RX];
+  for (int a = 0; a < RW; ++a)
+    for (int i = 0; i < RX; ++i) acc[a][i] = V::zero(), off[a][i] = 0.f;
   const int64_t groups = k / group;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int i = 0; i < R; ++i) part[i] = V::zero();
+    for (int a = 0; a < RW; ++a)
+      for (int i = 0; i < RX; ++i) part[a][i] = V::zero();
     for (int64_t j = g * group; j < (g + 1) * group; j += V::step) {
-      const typename V::W w = bits == 8 ? V::wload8(static_cast<const int8_t*>(qrow) + j)
-                                        : V::wload4(static_cast<const uint8_t*>(qrow) + j / 2);
-      for (int i = 0; i < R; ++i) {
-        const typename V::ivec x = V::xload(xc + i * k + j);
-        part[i] = V::fma(bits == 8 ? V::dot8(w, x) : V::dot4(w, x), V::load(xs + i * (k / 4) + j / 4), part[i]);
+      typename V::W w[RW];
+      for (int a = 0; a < RW; ++a)
+        if constexpr (BITS == 8) w[a] = V::wload8(reinterpret_cast<const int8_t*>(q + a * row_bytes) + j);
+        else w[a] = V::wload4(q + a * row_bytes + j / 2);
+      for (int i = 0; i < RX; ++i) {
+        typename V::ivec x = V::xload(xc + i * k + j);
+        if constexpr (BITS == 8) x = V::xprep8(x);
+        const typename V::fvec s = V::load(xs + i * (k / 4) + j / 4);
+        for (int a = 0; a < RW; ++a)
+          part[a][i] = V::fma(BITS == 8 ? V::dot8(w[a], x) : V::dot4(w[a], x), s, part[a][i]);
       }
     }
-    const typename V::fvec s = V::set(scale[g]);
-    for (int i = 0; i < R; ++i) acc[i] = V::fma(part[i], s, acc[i]);
+    for (int a = 0; a < RW; ++a) {
+      const typename V::fvec s = V::set(scale[a * groups + g]);
+      for (int i = 0; i < RX; ++i) acc[a][i] = V::fma(part[a][i], s, acc[a][i]);
+    }
     if (offset)
-      for (int i = 0; i < R; ++i) off[i] += offset[g] * gs[i * groups + g];
+      for (int a = 0; a < RW; ++a)
+        for (int i = 0; i < RX; ++i) off[a][i] = std::fma(offset[a * groups + g], gs[i * groups + g], off[a][i]);
   }
-  for (int i = 0; i < R; ++i) out[i * stride] = V::sum(acc[i]) + off[i];
+  for (int a = 0; a < RW; ++a)
+    for (int i = 0; i < RX; ++i) out[i * stride + a] = V::sum(acc[a][i]) + off[a][i];
 }
 
-template <class V>
-inline void q8_block(int64_t rows, const int8_t* xc, const float* xs, const void* qrow, int64_t bits, int64_t k,
+template <class V, int BITS, int RW>
+inline void q8_block(int64_t rows, const int8_t* xc, const float* xs, const uint8_t* q, int64_t row_bytes, int64_t k,
                      int64_t group, const float* scale, const float* offset, const float* gs, float* out,
                      int64_t stride) {
   switch (rows) {
-    case 4: q8_rows<V, 4>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
-    case 3: q8_rows<V, 3>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
-    case 2: q8_rows<V, 2>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
-    default: q8_rows<V, 1>(xc, xs, qrow, bits, k, group, scale, offset, gs, out, stride); break;
+    case 4: q8_tile<V, BITS, RW, 4>(xc, xs, q, row_bytes, k, group, scale, offset, gs, out, stride); break;
+    case 3: q8_tile<V, BITS, RW, 3>(xc, xs, q, row_bytes, k, group, scale, offset, gs, out, stride); break;
+    case 2: q8_tile<V, BITS, RW, 2>(xc, xs, q, row_bytes, k, group, scale, offset, gs, out, stride); break;
+    default: q8_tile<V, BITS, RW, 1>(xc, xs, q, row_bytes, k, group, scale, offset, gs, out, stride); break;
   }
+}
+
+// Weight rows r0:r1 against `rows` rows of x (at most 4): kTileRows weight rows at a time when
+// `pair` (x has several rows; at one row, one stream of weights reads faster), then one by one.
+template <class V, int BITS>
+inline void q8_span(int64_t r0, int64_t r1, int64_t rows, bool pair, const int8_t* xc, const float* xs,
+                    const uint8_t* q, int64_t row_bytes, int64_t k, int64_t group, const float* scale,
+                    const float* offset, const float* gs, float* out, int64_t stride) {
+  const int64_t groups = k / group;
+  int64_t r = r0;
+  if (pair)
+    for (; r + kTileRows <= r1; r += kTileRows)
+      q8_block<V, BITS, kTileRows>(rows, xc, xs, q + r * row_bytes, row_bytes, k, group, scale + r * groups,
+                                 offset ? offset + r * groups : nullptr, gs, out + r, stride);
+  for (; r < r1; ++r)
+    q8_block<V, BITS, 1>(rows, xc, xs, q + r * row_bytes, row_bytes, k, group, scale + r * groups,
+                         offset ? offset + r * groups : nullptr, gs, out + r, stride);
 }
 #endif
 
@@ -448,27 +485,26 @@ at::Tensor quant_matmul_q8(const at::Tensor& x_in, const at::Tensor& qweight, co
         const int8_t* xci = xc + i * k;
         const float* xsi = xs + i * (k / 4);
         const float* gsi = op ? xq.gsum.data() + i * groups : nullptr;
-        for (int64_t r = s0; r < s1; ++r) {
-          const void* qrow = qp + r * row_bytes;
-          const float* sr = sp + r * groups;
-          const float* orow = op ? op + r * groups : nullptr;
-          float* y = yp + i * n + r;
-          if (!vector) {
+        if (!vector) {
+          for (int64_t r = s0; r < s1; ++r)
             for (int64_t t = 0; t < rows; ++t)
-              y[t * n] = q8_row_scalar(xci + t * k, xsi + t * (k / 4), qrow, bits, k, group, sr, orow,
-                                       op ? gsi + t * groups : nullptr);
-            continue;
-          }
+              yp[(i + t) * n + r] = q8_row_scalar(xci + t * k, xsi + t * (k / 4), qp + r * row_bytes, bits, k, group,
+                                                  sp + r * groups, op ? op + r * groups : nullptr,
+                                                  op ? gsi + t * groups : nullptr);
+          continue;
+        }
+        float* y = yp + i * n;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-          if (vector == 2) {
-            q8_block<V512>(rows, xci, xsi, qrow, bits, k, group, sr, orow, gsi, y, n);
-            continue;
-          }
+        if (vector == 2) {
+          if (bits == 8) q8_span<V512, 8>(s0, s1, rows, m > 1, xci, xsi, qp, row_bytes, k, group, sp, op, gsi, y, n);
+          else q8_span<V512, 4>(s0, s1, rows, m > 1, xci, xsi, qp, row_bytes, k, group, sp, op, gsi, y, n);
+          continue;
+        }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-          q8_block<V256>(rows, xci, xsi, qrow, bits, k, group, sr, orow, gsi, y, n);
+        if (bits == 8) q8_span<V256, 8>(s0, s1, rows, m > 1, xci, xsi, qp, row_bytes, k, group, sp, op, gsi, y, n);
+        else q8_span<V256, 4>(s0, s1, rows, m > 1, xci, xsi, qp, row_bytes, k, group, sp, op, gsi, y, n);
 #endif
-        }
       }
     }
   });
