@@ -14,6 +14,7 @@ import torch
 from model.config import PRESETS, EngineConfig, ModelConfig, RuntimeInfo
 from model.engine.block_manager import BlockManager, blocks_for
 from model.engine.embedder import Embedder
+from model.engine.host_memory import keep_freed_memory
 from model.engine.kv_offload import KVOffload, PoolBlocks
 from model.engine.kv_share import SharedTier, Tiers
 from model.engine.kv_share_layout import namespace
@@ -149,6 +150,8 @@ class Engine:
                                       self.config.enforce_eager, scratch_block=num_blocks,
                                       max_num_seqs=self.config.max_num_seqs, max_model_len=max_len,
                                       encoder_cache_size=self.config.encoder_cache_size)
+        if self.device.type == "cpu":  # after the load, whose temporaries went back to the kernel
+            keep_freed_memory()  # steps reuse the pages the last one freed (model/engine/host_memory.py)
         self.lora: LoraManager | None = None  # LoRA adapters over this model (model/loading/lora.py)
         if ec.lora_modules or ec.lora_dynamic_path:
             self.lora = LoraManager(net, None if source in PRESETS else source, model, ec.lora_modules,

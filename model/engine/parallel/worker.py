@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model.config import ModelConfig
+from model.engine.host_memory import keep_freed_memory
 from model.engine.parallel.sharding import Collectives, build_shard, kv_heads_of
 from model.engine.runner import FlatStep, ModelRunner
 from model.layers.kv_cache import KVCache
@@ -92,6 +93,8 @@ class TensorParallelWorker:
         # The single-device runner picks and holds the attention kernels; its static decode path is off.
         self.runner = ModelRunner(self.model, cache, device, setup.attention_backend, enforce_eager=True)
         self.device, self.vocab = device, cfg.vocab_size
+        if device.type == "cpu":
+            keep_freed_memory()  # steps reuse the pages the last one freed (model/engine/host_memory.py)
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def ping(self) -> int:
