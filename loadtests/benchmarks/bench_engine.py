@@ -5,7 +5,9 @@ the default) or, with `--model qwen2.5-0.5b-shape`, Qwen2.5-0.5B-shaped (494M, G
 tied head, saved in bf16 by loadtests/tools/random_checkpoint.py):
 - workload: N requests, prompts 32-256 tokens, max_tokens uniform in 16-256, greedy, ignore_eos;
 - baseline: HF `generate()` in static batches of 16 with left padding, each batch running
-  to its longest request (how one serves without an engine);
+  to its longest request (how one serves without an engine). It runs after the engine in the
+  same process, so it inherits the malloc setting a CPU engine makes (model/engine/host_memory.py),
+  which spares it page faults too: if anything, HF runs faster here than on its own;
 - the engine (continuous batching over the paged KV cache);
 - the engine with the KV cache disabled (full recompute every token) on a short run;
 - batch-1 decode tokens/s;

@@ -5,7 +5,7 @@ weights), cycled in order so each weight comes from memory, through the int8-act
 project's dense float32 product (`model.layers.linear.dense.linear`, its kernel as the engine
 uses it).
 
-For M rows (1: batch-1 decode; 16), the median time of a pass over the stack, the rate the weights
+For M rows (1: batch-1 decode; 16 and 64: batched decode), the median time of a pass over the stack, the rate the weights
 are read at (their bytes over the time), and each format's time against float32's and int8's.
 int4 reads half int8's bytes, so at batch 1 (bound by reading the weights) its time should be
 near half int8's; what it costs beyond that is unpacking the 4-bit codes.
@@ -70,7 +70,7 @@ def one_pass(weights: list, xs: dict[int, torch.Tensor], path: int) -> float:
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=9)
     add_result_args(ap, "results/bench_quant_products.json")
     args = ap.parse_args()
