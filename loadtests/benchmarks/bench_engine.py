@@ -5,9 +5,9 @@ the default) or, with `--model qwen2.5-0.5b-shape`, Qwen2.5-0.5B-shaped (494M, G
 tied head, saved in bf16 by loadtests/tools/random_checkpoint.py):
 - workload: N requests, prompts 32-256 tokens, max_tokens uniform in 16-256, greedy, ignore_eos;
 - baseline: HF `generate()` in static batches of 16 with left padding, each batch running
-  to its longest request (how one serves without an engine). It runs after the engine in the
-  same process, so it inherits the malloc setting a CPU engine makes (model/engine/host_memory.py),
-  which spares it page faults too: if anything, HF runs faster here than on its own;
+  to its longest request (how one serves without an engine). It runs first, before the engine
+  sets its process's malloc to keep freed memory (model/engine/host_memory.py), so HF runs as it
+  does on its own;
 - the engine (continuous batching over the paged KV cache);
 - the engine with the KV cache disabled (full recompute every token) on a short run;
 - batch-1 decode tokens/s;
@@ -31,6 +31,7 @@ compute fractions count the weights a token uses (its top-k experts), not all of
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -183,13 +184,19 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     tmp = tempfile.mkdtemp(prefix="qkv-bench-")
     checkpoint(args.model, tmp)
+    vocab = json.loads((Path(tmp) / "config.json").read_text())
+    prompts, max_tokens = workload(args.requests, args.seed, vocab.get("text_config", vocab)["vocab_size"],
+                                   args.max_new_tokens)
+    # HF first, in a process whose malloc is still glibc's default, as HF runs on its own: a CPU
+    # engine makes its process keep freed memory (model/engine/host_memory.py), which would spare
+    # HF's steps their page faults too.
+    hf = run_hf(tmp, prompts, max_tokens, args.hf_batch, device, dtype)
     llm = LLM(tmp, device=args.device, dtype=args.dtype,
               engine_config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=3 << 30,
                                          max_model_len=2048))
     cfg = llm.engine.model_config
     net = llm.engine.runner.model
     n_params = sum(p.numel() for p in net.parameters())
-    prompts, max_tokens = workload(args.requests, args.seed, cfg.vocab_size, args.max_new_tokens)
     res: dict = {"model": args.model, "device": str(device), "dtype": args.dtype, "params": n_params,
                  "active_params": n_params - inactive_expert_params(net),
                  "requests": args.requests, "max_new_tokens": args.max_new_tokens, "hf_batch": args.hf_batch,
@@ -199,7 +206,7 @@ def main() -> None:
     print(f"model {args.model}: {n_params / 1e6:.1f}M params, {device}, {args.dtype}, {res['threads']} threads")
     res["engine"] = run_engine(llm, prompts, max_tokens)
     print(f"engine: {res['engine']['tokens_per_s']:.1f} tok/s")
-    res["hf"] = run_hf(tmp, prompts, max_tokens, args.hf_batch, device, dtype)
+    res["hf"] = hf
     print(f"hf: {res['hf']['tokens_per_s']:.1f} tok/s")
     if not args.no_extras:
         extras(res, llm, tmp, args, prompts)
