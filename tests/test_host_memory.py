@@ -3,7 +3,7 @@
 Each check runs in a fresh interpreter, since the setting is process-wide and other tests'
 engines apply it to this one: it builds a CPU engine, then runs "steps" that allocate, fill and
 free tensors of 10-48 MiB (a prefill's products are that size), counting the page faults and the
-resident size over the later steps. Kept memory comes back without faults and the process stops
+resident size's growth over the steps after a warm-up. Kept memory comes back without faults and the process stops
 growing once the first steps have sized its heap; glibc's default maps fresh pages for each
 block, one fault per 4 KiB page. `QKV_KEEP_FREED_MEMORY=0` keeps the default.
 """
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12
+WARMUP, STEPS = 24, 12
 SIZES_MIB = (48, 40, 10, 48)  # step i allocates the first 1 + i % 4
 PAGES = sum(sum(SIZES_MIB[: 1 + i % 4]) for i in range(STEPS)) * 256  # 4 KiB pages the measured steps fill
 
-SCRIPT = f"STEPS, SIZES_MIB = {STEPS}, {SIZES_MIB}\n" + """
+SCRIPT = f"WARMUP, STEPS, SIZES_MIB = {WARMUP}, {STEPS}, {SIZES_MIB}\n" + """
 import json, resource, torch
 from model.config import EngineConfig
 from model.engine.engine import Engine
@@ -34,7 +34,7 @@ def step(i):
     xs = [torch.empty((mib << 18) + 1000 * j).fill_(1.0) for j, mib in enumerate(SIZES_MIB[: 1 + i % 4])]
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
-for i in range(STEPS):
+for i in range(WARMUP):
     step(i)
 faults, before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, rss()
 for i in range(STEPS):
@@ -57,8 +57,10 @@ def _run(env: dict[str, str]) -> dict:
 def test_cpu_engine_reuses_freed_pages() -> None:
     got = _run({})
     assert got["applied"] is True
-    assert got["faults"] < PAGES // 100, got  # freed blocks came back without the kernel
-    assert got["growth"] < 4 << 20, got  # and the heap stopped growing
+    assert got["faults"] < PAGES // 50, got  # freed blocks came back without the kernel
+    # and the heap grows no more by whole steps (one step holds up to 146 MiB): what fragmentation
+    # still adds after the warm-up is a few MiB (10 MiB seen under a loaded CI run)
+    assert got["growth"] < 32 << 20, got
 
 
 @glibc

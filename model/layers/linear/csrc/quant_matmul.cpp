@@ -342,14 +342,14 @@ constexpr int kIntPath = 0;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-constexpr int kTileRows = 2;  // more measured slower: the accumulators no longer fit in registers
+constexpr int kTileRows = 2;  // four measured slower: 4 x 4 tiles need 32 accumulators, every AVX-512 register
 
 // RW weight rows (row stride row_bytes; their scales and offsets at stride `groups`) against RX
 // rows of activations (codes xc, row stride k; lane scales xs, row stride k / 4): out[i * stride
 // + a] = the formula above for x row i and weight row a. Each step's weights are readied once for
 // the RX x rows and each x block once for the RW weight rows. Every (x row, weight row) pair is
-// summed in the same order whatever the tile (the offsets' term by std::fma, which no compiler
-// contracts differently), so a row of y does not depend on M. The offsets' term (gs: each x row's
+// summed in the same order whatever the tile (the offsets' term by std::fma, rounded once in
+// every instantiation whatever the compiler contracts), so a row of y does not depend on M. The offsets' term (gs: each x row's
 // group sums, row stride k / group) is a scalar sum beside the vector work.
 template <class V, int BITS, int RW, int RX>
 inline void q8_tile(const int8_t* xc, const float* xs, const uint8_t* q, int64_t row_bytes, int64_t k,
