@@ -31,7 +31,6 @@ compute fractions count the weights a token uses (its top-k experts), not all of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.loading.checkpoint import save_model  # noqa: E402
+from model.loading.checkpoint import load_config, save_model  # noqa: E402
 from model.loading.loading import build_preset, resolve_device  # noqa: E402
 from loadtests.benchmarks.moe_load_memory import SHAPES as MOE_SHAPES  # noqa: E402
 from loadtests.benchmarks.moe_load_memory import write_checkpoint as write_moe_checkpoint  # noqa: E402
@@ -184,9 +183,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     tmp = tempfile.mkdtemp(prefix="qkv-bench-")
     checkpoint(args.model, tmp)
-    vocab = json.loads((Path(tmp) / "config.json").read_text())
-    prompts, max_tokens = workload(args.requests, args.seed, vocab.get("text_config", vocab)["vocab_size"],
-                                   args.max_new_tokens)
+    prompts, max_tokens = workload(args.requests, args.seed, load_config(tmp).vocab_size, args.max_new_tokens)
     # HF first, in a process whose malloc is still glibc's default, as HF runs on its own: a CPU
     # engine makes its process keep freed memory (model/engine/host_memory.py), which would spare
     # HF's steps their page faults too.

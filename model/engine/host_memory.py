@@ -4,11 +4,11 @@ glibc's malloc serves a block above its mmap threshold (128 KiB, raised up to 32
 blocks are freed) with a fresh mmap, unmapped again on free, and returns the free top of its heap
 to the kernel past its trim threshold. A step's activations are such blocks (one 2,048-token
 prefill chunk of the Qwen2.5-0.5B shape: 40 MiB per MLP product; 64 decode rows of its logits:
-39 MiB), so every step took its buffers again as zeroed pages from the kernel: 960,000 page
-faults, 3.7 GB of zeroing, in one prefill of 4 x 512 tokens. With every block served from the
-heap and the heap never trimmed, a step reuses the pages the last one freed: no faults after the
-first steps, and that prefill ran 1.3x as fast (float32; 1.14x int8). llama.cpp gets the same by
-allocating its compute buffers once.
+39 MiB), so every step took its buffers again as zeroed pages from the kernel: 1.0 million page
+faults in one float32 prefill of 4 x 512 tokens. With every block served from the heap and the
+heap never trimmed, a step reuses the pages the last one freed: 57K faults, all in the first
+steps, and that prefill ran 1.27x as fast (int8: 1.06x; docs/cpu.md). llama.cpp gets the same
+by allocating its compute buffers once.
 
 The cost: the process keeps the most memory its steps ever used together (the heap does not
 shrink) and the engine's resident size stays at that peak. It is process-wide and applies to

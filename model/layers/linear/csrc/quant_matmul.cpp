@@ -349,8 +349,9 @@ constexpr int kTileRows = 2;  // four measured slower: 4 x 4 tiles need 32 accum
 // + a] = the formula above for x row i and weight row a. Each step's weights are readied once for
 // the RX x rows and each x block once for the RW weight rows. Every (x row, weight row) pair is
 // summed in the same order whatever the tile (the offsets' term by std::fma, rounded once in
-// every instantiation whatever the compiler contracts), so a row of y does not depend on M. The offsets' term (gs: each x row's
-// group sums, row stride k / group) is a scalar sum beside the vector work.
+// every instantiation whatever the compiler contracts), so a row of y does not depend on M. The
+// offsets' term (gs: each x row's group sums, row stride k / group) is a scalar sum beside the
+// vector work.
 template <class V, int BITS, int RW, int RX>
 inline void q8_tile(const int8_t* xc, const float* xs, const uint8_t* q, int64_t row_bytes, int64_t k,
                     int64_t group, const float* scale, const float* offset, const float* gs, float* out,
