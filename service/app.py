@@ -369,7 +369,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     """`build_app` with an optional `engine_wrapper(engine) -> engine` applied in each replica.
 
     The wrapper is a Python callable, so no config file or command line can set it: tests use
-    it to inject faults (tests/fault_injection.py). `deployment_name`: one model of a multi-model
+    it to inject faults (tests/support/fault_injection.py). `deployment_name`: one model of a multi-model
     app behind its front (service/multi_model.py), reached through the front's handle: the engine
     deployment alone, under that name, its request router (when wanted) picking for the handle.
     """

@@ -22,7 +22,7 @@ SHARED_SERVE = "shared_serve"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--accel-device", default="cuda",
-                     help="the device of the tests marked gpu (tests/test_gpu.py, `pytest -m gpu`); "
+                     help="the device of the tests marked gpu (tests/gpu/test_gpu.py, `pytest -m gpu`); "
                           "`--accel-device cpu` runs them on the CPU to check the tests themselves")
 
 
@@ -42,9 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def shared_serve() -> Iterator[Callable[..., Any]]:
     """`local_serve.shared_service`: deploy a module's app on the Ray + Serve the session shares
-    (see tests/local_serve.py); the shared instance is stopped when the session ends."""
-    import local_serve
-
+    (see tests/support/local_serve.py); the shared instance is stopped when the session ends."""
+    from tests.support import local_serve
     yield local_serve.shared_service
     local_serve.stop_shared_service()
 

@@ -15,7 +15,7 @@ clients that disconnect at random, in one run on a local Ray Serve (127.0.0.1 on
 
     .venv/bin/python loadtests/benchmarks/bench_held_load.py --out docs/results/bench_held_load.json
     .venv/bin/python loadtests/benchmarks/bench_held_load.py --soak-s 600    # the 10-minute soak
-tests/test_held_load.py runs both parts, shorter, on a tiny model.
+tests/e2e/test_held_load.py runs both parts, shorter, on a tiny model.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from service.launch import apply_serving_env  # noqa: E402
 
@@ -275,7 +274,7 @@ def table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from local_serve import local_service, write_tiny_checkpoint
+    from tests.support.local_serve import local_service, write_tiny_checkpoint
     from ray import serve
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -73,7 +73,6 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # local_serve: test scaffolding
 
 from loadtests.benchmarks.bench_engine import PRESET, workload  # noqa: E402
 from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
@@ -83,7 +82,7 @@ from model.engine.engine import Engine  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
 from model.sampling.params import SamplingParams  # noqa: E402
-from local_serve import local_service  # noqa: E402
+from tests.support.local_serve import local_service  # noqa: E402
 
 HTTP_PORT = 18400
 STEP_THREAD = "qkv-step"  # service/engine/engine_loop.py names the step thread (and so its torch workers)

@@ -18,7 +18,7 @@ tenants, with 100% success), and the ledger's cost: the mean time of one `acquir
 against without.
 
     .venv/bin/python loadtests/benchmarks/bench_tenant_fairness.py --out docs/results/bench_tenant_fairness.json
-    .venv/bin/python loadtests/benchmarks/bench_tenant_fairness.py --quick      # ~1.5 min: tests/test_tenant_fairness.py
+    .venv/bin/python loadtests/benchmarks/bench_tenant_fairness.py --quick      # ~1.5 min: tests/e2e/test_tenant_fairness.py
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from service.launch import apply_serving_env  # noqa: E402
 
@@ -173,7 +172,7 @@ def ledger_cost_ms(calls: int) -> float:
 
 
 def run_mode(model: str, keys_path: Path | None, args: argparse.Namespace) -> dict[str, Any]:
-    from local_serve import local_service
+    from tests.support.local_serve import local_service
 
     keys = ({name: f"key-{name}" for name in (*QUIET, NOISY)} if keys_path
             else dict.fromkeys((*QUIET, NOISY), "key-shared"))
@@ -223,7 +222,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.d_model, args.ledger_calls = 4.0, 64, 20
-    from local_serve import write_tiny_checkpoint
+    from tests.support.local_serve import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_checkpoint(Path(tmp) / "fair", max_position=512, d_model=args.d_model, n_heads=4,

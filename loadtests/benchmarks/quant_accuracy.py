@@ -7,7 +7,7 @@ On the trained default (`transformer-base-trained`, fp16 on disk, run in float32
   the engine; the share of positions whose token equals full precision's, and the share of
   tokens generated before the first divergence;
 - bits per byte on the held-out text: the corpus's last 64 KiB in windows of 256 bytes, as
-  tests/test_trained_default.py measures it (0.978 in float32);
+  tests/model/training/test_trained_default.py measures it (0.978 in float32);
 - each quantized scheme three times: the LM head in float, in int8 (`quantize_lm_head: int8`,
   what `auto` picks on the CPU) and quantized as the layers (`true`); llama.cpp quantizes its
   output tensor too (Q6_K in its 4-bit files): the cost of the head alone;

@@ -33,7 +33,7 @@ import psutil  # noqa: E402
 from model.config import PRESETS  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
-from local_serve import local_service  # noqa: E402  (bench_service put tests/ on the path)
+from tests.support.local_serve import local_service  # noqa: E402  (bench_service put tests/ on the path)
 
 EVENT_LOOP = "AsyncIO Thread: default"
 _LINE = re.compile(r" \(([^)]*):\d+\)")

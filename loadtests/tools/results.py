@@ -39,7 +39,7 @@ MACHINE_KEYS = ("cpu_model", "cores", "copy_bandwidth_gb_s", "matmul_peak_gflops
 
 
 def problems(doc: Any) -> list[str]:
-    """What a result file lacks (empty: it is complete); the docs build and tests/test_docs_sources.py
+    """What a result file lacks (empty: it is complete); the docs build and tests/docs/test_docs_sources.py
     check every docs/results/*.json with it."""
     if not isinstance(doc, dict):
         return ["not a JSON object"]

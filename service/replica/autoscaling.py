@@ -17,7 +17,7 @@ replica (`fleet_load`) and `decide`s:
 
 Serve 2.60 wraps every custom policy in its own delays (the config's `upscale_delay_s` and
 `downscale_delay_s`) and bounds: `serve_autoscaling_config` sets Serve's delays to 0, so the one
-delay is the policy's, held on these signals and tested with them (tests/test_autoscaling_policy.py).
+delay is the policy's, held on these signals and tested with them (tests/service/replica/test_autoscaling_policy.py).
 
 The module imports nothing of the project: Serve pickles it by value into its controller.
 """
