@@ -1,13 +1,14 @@
 """qkv-serve's model package: the Transformer, its KV cache and the continuous-batching engine.
-
-One sub-package per part: `engine` (engine, scheduler, block manager, sequence, runner),
-`layers` (attention over the paged KV cache and its backends, positions, norms, MLPs),
-`models` (the registry and one module per architecture family), `loading` (presets,
-checkpoints, hub, tokenizers), `sampling` (SamplingParams, the sampler, structured outputs,
-request checks), `inspect` (attention maps), `training`, and `weights` (the trained default).
-
+One part per sub-package, each importing only the parts below it (tests/test_layering.py holds
+the table), from the bottom: `config` (model, engine and speculative configs, presets),
+`sampling` (SamplingParams, the sampler, structured outputs, request checks), `layers` (attention
+over the paged KV cache and its backends, positions, norms, MLPs, quantized linears), `models`
+(the registry and one module per architecture family), `multimodal` and `inspect` (attention
+maps), `loading` (files to weights: checkpoints, hub, tokenizers, quantized formats), `engine`
+(engine, scheduler, runner, the KV tiers in `engine.kv`, speculative decoding, tensor
+parallelism), `training`, and `llm` (the offline API) on top; `weights` holds the trained default.
 Names are imported lazily so that the torch-free modules (`engine.sequence`,
-`engine.block_manager`, `engine.scheduler`, `sampling.params`, `sampling.request_checks`,
+`engine.kv.block_manager`, `engine.scheduler`, `sampling.params`, `sampling.request_checks`,
 `inspect.attention_spec`) can be used without importing torch (tests/test_layering.py).
 """
 

@@ -1,11 +1,14 @@
 """qkv-serve's service: Ray Serve deployments and the HTTP API over the engine. Imports `model`,
-never the reverse. One sub-package per part, each building only on those listed before it
-(tests/test_layering.py holds the order):
-
+never the reverse. One part per sub-package (or module), each importing only the parts below it
+(tests/test_layering.py holds the table), from the bottom:
+- `errors` (the API's error shape), `tools` (tool-call and reasoning parsing), `autoscaling` (the
+  TTFT policy, pickled into Serve's controller) and `launch` (the serving path's Ray settings);
 - `engine`: the engine in a replica's process (step loop, admission gate, metrics, model info);
-- `http` with the API families `openai`, `anthropic`, `tools`: the HTTP edge each replica serves;
-- `replica`: the engine replica's deployment (engine and edge in one process), and its placement;
-- `routing`: which replica serves a request (prefix-aware router, HAProxy's route deployment);
-- `app` (`build_app`, `AppArgs`), `multi_model` (several models behind one endpoint) and `launch`
-  (the serving path's Ray settings): the application, on top.
+- `tenancy`: API keys, tenants, quotas and their ledger;
+- `http`: the HTTP edge (engine calls, event streams, images, ASGI forwarding);
+- `openai` on the edge, then `anthropic` and `explorer` (the attention API) on `openai`;
+- `server`: the FastAPI app of a replica, every API family mounted;
+- `host`: the Ray-free host of one engine (`EngineHost`, `EngineStream`);
+- `replica` (the Serve deployment and its placement) and `routing` (which replica serves a request);
+- `app`: `build_app` and `AppArgs`, one model (`engine_app`) or several (`multi`), on top.
 """

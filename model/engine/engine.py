@@ -12,30 +12,31 @@ from dataclasses import asdict, dataclass
 import torch
 
 from model.config import PRESETS, EngineConfig, ModelConfig, RuntimeInfo
-from model.engine.block_manager import BlockManager, blocks_for
+from model.config.speculative import SpeculativeConfig
+from model.engine.detokenizer import IncrementalDetokenizer
 from model.engine.embedder import Embedder
 from model.engine.host_memory import keep_freed_memory
-from model.engine.kv_offload import KVOffload, PoolBlocks
-from model.engine.kv_share import SharedTier, Tiers
-from model.engine.kv_share_layout import namespace
-from model.engine.kv_transfer import IncomingBlocks, KVBlocks
+from model.engine.image_step import span_embeds, span_positions
+from model.engine.kv.block_manager import BlockManager, blocks_for
+from model.engine.kv.offload import KVOffload, PoolBlocks
+from model.engine.kv.share import SharedTier, Tiers
+from model.engine.kv.share_layout import namespace
+from model.engine.kv.transfer import IncomingBlocks, KVBlocks
+from model.engine.lora_manager import LoraManager
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq, Scheduler
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
-from model.engine.spec_decode.config import SpeculativeConfig
 from model.engine.spec_decode.decoder import SpecDecoder
 from model.engine.spec_decode.draft import DraftProposer
 from model.inspect.attention_maps import AttentionMaps, capture_attention
 from model.inspect.attention_spec import AttentionShape, check_attention
 from model.layers.kv_cache import KVCache
 from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
-from model.loading.lora import LoraManager
 from model.loading.pooling_config import read_pooling_config
-from model.loading.quantize import QuantScheme, head_scheme, on_the_fly_scheme, quantization_of, set_int8_activations
-from model.loading.tokenizer import IncrementalDetokenizer
+from model.loading.quant.quantize import head_scheme, on_the_fly_scheme, quantization_of, set_int8_activations
+from model.loading.quant.scheme import QuantScheme
 from model.multimodal.inputs import MultiModalInputs
 from model.multimodal.processor import ImageInputError, ImageProcessor
-from model.multimodal.step import span_embeds, span_positions
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
 from model.sampling.sampler import SamplingRow
@@ -66,7 +67,7 @@ class EngineStats:
     lora_adapter_loads: int = 0  # adapters put into a slot, since start
     lora_adapter_evictions: int = 0
     lora_resident: tuple[str, ...] = ()  # the resident adapters' names (what the router prefers replicas by)
-    # The prefix cache's second tier (model/engine/kv_offload.py), totals since start.
+    # The prefix cache's second tier (model/engine/kv/offload.py), totals since start.
     kv_offload_saved_blocks: int = 0
     kv_offload_loaded_blocks: int = 0
     kv_offload_bytes_written: int = 0
@@ -74,7 +75,7 @@ class EngineStats:
     kv_offload_load_seconds: float = 0.0
     kv_offload_errors: int = 0
     kv_offload_skipped_blocks: int = 0
-    # The tier shared by the engines of a node (model/engine/kv_share.py), this engine's totals.
+    # The tier shared by the engines of a node (model/engine/kv/share.py), this engine's totals.
     kv_share_saved_blocks: int = 0
     kv_share_loaded_blocks: int = 0
     kv_share_bytes_written: int = 0
@@ -176,7 +177,7 @@ class Engine:
         self.kv_namespace = namespace(salt, [(tuple(t.shape[1:]), str(t.dtype)) for t in pool])
         self.kv_share = (SharedTier(pool, ec.kv_share_dir, ec.kv_share_bytes, self.kv_namespace)
                          if ec.kv_share_dir is not None and net is not None else None)
-        # Blocks a prefill replica computed for requests not yet admitted here (model/engine/kv_transfer.py).
+        # Blocks a prefill replica computed for requests not yet admitted here (model/engine/kv/transfer.py).
         self.incoming = IncomingBlocks(PoolBlocks(pool)) if caching and net is not None else None
         tiers = [t for t in (self.incoming, self.kv_offload, self.kv_share) if t is not None]
         blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt,

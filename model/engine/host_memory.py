@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+KEEP_FREED_MEMORY_ENV = "QKV_KEEP_FREED_MEMORY"  # "0" keeps glibc's default
 
 _APPLIED: dict[str, bool] = {}
 
@@ -40,7 +41,7 @@ def keep_freed_memory() -> bool:
 
 
 def _apply() -> bool:
-    if os.environ.get("QKV_KEEP_FREED_MEMORY", "1") == "0":
+    if os.environ.get(KEEP_FREED_MEMORY_ENV, "1") == "0":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

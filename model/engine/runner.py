@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.engine.image_step import image_embeds, mrope_positions
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import Sequence, TokenLogprob
 from model.layers.attention import PagedAttention
@@ -28,7 +29,6 @@ from model.layers.lora import LoraBatch, LoraState
 from model.layers.paged_attention import paged_decode_attention, paged_prefill_attention, use_fused
 from model.models.transformer import Transformer
 from model.multimodal.encoder_cache import EncoderCache
-from model.multimodal.step import image_embeds, mrope_positions
 from model.sampling.sampler import SamplingRow, prompt_token_logprobs, sample
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from model.config import SCHEDULING_POLICIES
-from model.engine.block_manager import BlockManager, blocks_for
-from model.engine.sequence import Sequence, SeqStatus
+from model.engine.kv.block_manager import BlockManager, blocks_for
+from model.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

@@ -21,8 +21,8 @@ from torch import nn
 from tqdm import tqdm
 
 from model.config import ModelConfig
-from model.loading.quantize import (QuantScheme, checkpoint_names, load_scheme, loadable_tensors, prepare_layers,
-                                    quantize_head)
+from model.loading.quant.quantize import checkpoint_names, load_scheme, loadable_tensors, prepare_layers, quantize_head
+from model.loading.quant.scheme import QuantScheme
 from model.loading.weight_files import INDEX_FILE, WEIGHTS_FILE, TensorIndex, weight_files
 from model.models.registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of, build_model
 from model.models.weight_map import ArchitectureSpec, CheckpointError, TensorSpec

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from model.config import PRESETS, ModelConfig
-from model.loading.generation_config import GenerationConfig, load_generation_config
-from model.loading.hub import resolve_model_dir
 from model.layers.linear.dense import kernel_available as dense_kernel_available
 from model.layers.linear.kernel import kernel_available
-from model.loading.quantize import QuantScheme, quantize_head, swap_linears
+from model.loading.generation_config import GenerationConfig, load_generation_config
+from model.loading.hub import resolve_model_dir
+from model.loading.quant.quantize import quantize_head, swap_linears
+from model.loading.quant.scheme import QuantScheme
 from model.loading.tokenizer import Tokenizer, load_tokenizer
 from model.models.registry import build_model
 

@@ -102,7 +102,7 @@ class GemmaForCausalLM(nn.Module):
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What follows the head's product: Gemma 2's final-logit soft-cap (none: as is). A
-        quantized head (model/loading/quantize.py) applies it after its own product."""
+        quantized head (model/loading/quant/quantize.py) applies it after its own product."""
         cap = self.cfg.gemma.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -3,7 +3,7 @@
 (qwen2_vl_vision.py) in place of the image's placeholder tokens.
 
 The engine hands the decoder each step's (3, T) positions in `meta.mrope_positions` when a
-sequence with images is in the batch (model/multimodal/step.py); text-only rows have their
+sequence with images is in the batch (model/engine/image_step.py); text-only rows have their
 position on all three axes, which is plain RoPE.
 """
 

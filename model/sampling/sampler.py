@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.engine.sequence import TokenLogprob
+from model.sampling.logprobs import TokenLogprob
 from model.sampling.params import SamplingParams
 
 

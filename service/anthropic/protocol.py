@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from service.http.errors import APIError, from_validation_error
+from service.errors import APIError, from_validation_error
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound for budget_tokens
 ERROR_PREFIX = "Error: "  # a failed tool's result, as the model reads it

@@ -1,5 +1,5 @@
 """`POST /v1/messages` and `POST /v1/messages/count_tokens` (the Anthropic Messages API), added
-to the HTTP edge by `service.http.api.build_api`. Every failure on these routes leaves in Anthropic's
+to the HTTP edge by `service.server.api.build_api`. Every failure on these routes leaves in Anthropic's
 error shape, with the HTTP status the OpenAI routes use for the same failure."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from starlette.responses import JSONResponse, Response
 
 from service.anthropic.protocol import CountTokensRequest, MessagesRequest, parse_error
 from service.anthropic.serving import MessagesServing, error_body
-from service.http.errors import APIError
+from service.errors import APIError
 from service.openai.serving import OpenAIServing
-
 
 MESSAGES_PATH = "/v1/messages"
 

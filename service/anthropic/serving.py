@@ -1,5 +1,5 @@
 """The Messages API over the chat path: an Anthropic request becomes the internal chat request,
-runs as a `ChatRun` (service/http/chat_run.py), and its answer events become content blocks.
+runs as a `ChatRun` (service/openai/chat_run.py), and its answer events become content blocks.
 
 One state machine (`BlockWriter`) turns answer events into the stream's block events; the
 non-streamed message is those same events folded together, so both always agree. A run of
@@ -20,8 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.anthropic.protocol import CountTokensRequest, MessagesRequest
-from service.http.chat_run import ChatRun, ChatUsage
-from service.http.errors import APIError, from_validation_error
+from service.errors import APIError, from_validation_error
+from service.openai.chat_run import ChatRun, ChatUsage
 from service.openai.protocol import ChatCompletionRequest
 from service.openai.serving import OpenAIServing
 from service.tools.answer import AnswerEvent, ReasoningEvent

@@ -64,7 +64,7 @@ class EngineFailure:
     message: str
 
 
-class _Sink:
+class Sink:
     """Where one caller's outputs land: a list fed on the caller's event loop (from the loop
     thread through `call_soon_threadsafe`), and a future the reader waits on while it is empty.
     Lighter than an asyncio.Queue, which this is on the path of every token."""
@@ -81,9 +81,9 @@ class _Sink:
             pass
 
     @staticmethod
-    def put_many_threadsafe(items: list[tuple[_Sink, list[RequestOutput]]]) -> None:
+    def put_many_threadsafe(items: list[tuple[Sink, list[RequestOutput]]]) -> None:
         """Deliver one step's outputs to many sinks with one wake-up per event loop."""
-        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[_Sink, list[RequestOutput]]]]] = {}
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[Sink, list[RequestOutput]]]]] = {}
         for sink, outs in items:
             by_loop.setdefault(id(sink._loop), (sink._loop, []))[1].append((sink, outs))
         for loop, batch in by_loop.values():
@@ -117,7 +117,7 @@ class _Sink:
         return items
 
 
-def _deliver(batch: list[tuple[_Sink, list[RequestOutput]]]) -> None:
+def _deliver(batch: list[tuple[Sink, list[RequestOutput]]]) -> None:
     for sink, outs in batch:
         sink.put(outs)
 
@@ -197,9 +197,9 @@ class EngineLoop:
 
     def __init__(self, engine: Any, torch_thread: TorchThread | None = None) -> None:
         self._engine = engine
-        self._commands: queue.SimpleQueue[tuple[str, Any, _Sink | None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[str, Any, Sink | None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._sinks: dict[str, _Sink] = {}  # touched only by the loop thread
+        self._sinks: dict[str, Sink] = {}  # touched only by the loop thread
         self._stopping = False
         self.error: str | None = None
         self.stats = engine.stats()  # a snapshot, replaced (never mutated) by the loop thread
@@ -237,10 +237,10 @@ class EngineLoop:
         if self._running is not None:
             concurrent.futures.wait([self._running], timeout_s)
 
-    def submit(self, requests: list[SubRequest]) -> _Sink:
+    def submit(self, requests: list[SubRequest]) -> Sink:
         """Queue `requests` for the next step; their outputs (lists of deltas) or an
         `EngineFailure` arrive on the returned sink. Call from the event loop that reads it."""
-        sink = _Sink(asyncio.get_running_loop())
+        sink = Sink(asyncio.get_running_loop())
         if not self.alive:
             sink.put_threadsafe(EngineFailure(
                 503, "The engine is not running; the replica will be replaced, retry the request."))
@@ -319,7 +319,7 @@ class EngineLoop:
             self._sinks[payload.request_id] = sink
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_sink: dict[int, tuple[_Sink, list[RequestOutput]]] = {}
+        by_sink: dict[int, tuple[Sink, list[RequestOutput]]] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -327,7 +327,7 @@ class EngineLoop:
             by_sink.setdefault(id(sink), (sink, []))[1].append(out)
             if out.finished:
                 del self._sinks[out.request_id]
-        _Sink.put_many_threadsafe(list(by_sink.values()))
+        Sink.put_many_threadsafe(list(by_sink.values()))
 
     def _fail_all(self, exc: Exception) -> None:
         self.error = f"{type(exc).__name__}: {exc}"  # logged and in check_health; never sent to clients

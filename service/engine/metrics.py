@@ -54,7 +54,7 @@ class MetricSpec:
         return metric
 
 
-# The KV tiers' totals (EngineStats' kv_<tier>_* fields, model/engine/kv_offload.py's OffloadStats):
+# The KV tiers' totals (EngineStats' kv_<tier>_* fields, model/engine/kv/offload.py's OffloadStats):
 # (field, attribute suffix, help with `{tier}`).
 TIER_COUNTERS = (
     ("saved_blocks", "saved", "KV blocks written to {tier}."),
@@ -218,7 +218,7 @@ class EngineMetrics:
         self.tenant_ttft.observe(seconds, tags={"tenant": tenant})
 
     def observe_response(self, route: str, status: int) -> None:
-        """The HTTP edge started a response (service/http/api.py: `ResponseCounter`)."""
+        """The HTTP edge started a response (service/server/api.py: `ResponseCounter`)."""
         self.http_responses.inc(1, tags={"route": route, "status_code": str(status)})
 
     def observe_abort(self, num_prompt_tokens: int) -> None:

@@ -1,6 +1,6 @@
 """One HTTP request carried over a Ray Serve streaming handle to an ASGI app in another process,
-and its response carried back: how the multi-model front (service/multi_model.py) reaches each
-model's engine replicas, whose own HTTP edge (service/http/api.py) then answers exactly as it does
+and its response carried back: how the multi-model front (service/app/multi.py) reaches each
+model's engine replicas, whose own HTTP edge (service/server/api.py) then answers exactly as it does
 when HAProxy sends it the request directly.
 
 The front sends a `ForwardedRequest` (method, path, headers, the whole body); the replica runs its

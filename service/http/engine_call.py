@@ -15,11 +15,11 @@ from typing import Any
 from model.engine.sequence import RequestOutput
 from service.engine.admission import AdmissionGate
 from service.engine.engine_loop import EngineFailure, SubRequest
-from service.http.errors import APIError
+from service.errors import APIError
 from service.tenancy.auth import current_tenant
 from service.tenancy.keys import Tenant
 
-# Set by the HTTP edge for each request (`service.http.api.respond`): the event is set once the
+# Set by the HTTP edge for each request (`service.server.api.respond`): the event is set once the
 # request's engine call has its first item, when its status is known (admitted, valid, prefilled).
 _first_item: ContextVar[asyncio.Event | None] = ContextVar("qkv_first_item", default=None)
 

@@ -2,7 +2,7 @@
 
 A stream's status and headers go out through the whole middleware stack (so the response
 counter, the error middlewares and the API-key check see them), but its body messages, one per
-engine step per stream, skip the stack: `ResponseCounter` (the outermost layer, service/http/api.py)
+engine step per stream, skip the stack: `ResponseCounter` (the outermost layer, service/server/api.py)
 keeps the `send` it was given in the scope (`RAW_SEND`), and `EventStream` writes each piece of
 the body there. Starlette's wrappers only watch for the response start, so nothing is lost; what
 is saved is a Python call per layer per token, and Starlette's task group per response.

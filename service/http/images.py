@@ -37,7 +37,7 @@ from urllib.parse import unquote, urlsplit
 import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from service.http.errors import APIError
+from service.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _ORIENTATION = 0x0112  # the EXIF tag
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What the edge takes: the app arguments of the same names (service/app.py)."""
+    """What the edge takes: the app arguments of the same names (service/app/engine_app.py)."""
 
     max_images: int = 8  # per request (vLLM's limit_mm_per_prompt {"image": N})
     max_image_bytes: int = 10 << 20  # one image, encoded (the file, not its base64)

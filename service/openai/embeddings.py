@@ -23,7 +23,7 @@ from starlette.responses import Response
 from model.loading.pooling_config import check_embedding_inputs
 from model.sampling.request_checks import RequestError
 from service.engine.engine_loop import EngineFailure
-from service.http.errors import APIError
+from service.errors import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.http.chat_run import ChatUsage
-from service.http.errors import APIError, from_validation_error
+from service.errors import APIError, from_validation_error
+from service.openai.chat_run import ChatUsage
 from service.openai.protocol import ChatCompletionRequest
 from service.openai.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem,
                                                ReasoningItem, ResponsesRequest, chat_content)

@@ -20,8 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from service.http.chat_run import ChatRun
-from service.http.errors import APIError
+from service.errors import APIError
+from service.openai.chat_run import ChatRun
 from service.openai.responses import OutputWriter, chat_request, new_id, rename_error, response_body
 from service.openai.responses_protocol import InputItem, ResponsesRequest, parse_items
 from service.openai.responses_store import MissingResponse, ResponseStore

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from service.http.errors import from_validation_error
+from service.errors import from_validation_error
 from service.openai.protocol import FunctionSpec, ranged, reject_unsupported
 
 logger = logging.getLogger(__name__)

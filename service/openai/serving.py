@@ -25,11 +25,11 @@ from model.sampling.structured import check_structured
 from service.engine.admission import AdmissionGate
 from service.engine.engine_loop import SubRequest
 from service.engine.model_info import ModelInfo
-from service.http.chat_run import ChatRun
-from service.http.chat_template import ChatTemplate
+from service.errors import APIError, from_value_error, overloaded_error
 from service.http.engine_call import EngineCall, OverloadPolicy
-from service.http.errors import APIError, from_value_error, overloaded_error
 from service.http.images import ImageLimits, ImageLoader, ImageRef, chat_image_refs
+from service.openai.chat_run import ChatRun
+from service.openai.chat_template import ChatTemplate
 from service.openai.formats import SSE_DONE, ChatFormat, ChoiceState, CompletionFormat, cached_tokens, sse, usage
 from service.openai.protocol import (SAMPLING_PARAM_NAMES, ChatCompletionRequest, CompletionRequest, Prompt,
                                      TokenizeRequest)
@@ -274,7 +274,7 @@ class OpenAIServing:
 
     async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Admit and start a chat request (the internal request of every chat-like API) and
-        return its run, which yields answer events (service/http/chat_run.py). Raises APIError for a
+        return its run, which yields answer events (service/openai/chat_run.py). Raises APIError for a
         bad request or when overloaded, before anything is queued."""
         self.check_model(req.model)
         prompt = await self.chat_prompt(req)

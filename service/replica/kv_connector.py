@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import ray
 import torch
 
-from model.engine.kv_transfer import KVBlocks
+from model.engine.kv.transfer import KVBlocks
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.http.errors import APIError
+from service.errors import APIError
 from service.tenancy.keys import KeyTable, Tenant
 
 current_tenant: ContextVar[Tenant | None] = ContextVar("qkv_tenant", default=None)

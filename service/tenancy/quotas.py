@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from service.http.errors import APIError, retry_after_seconds
+from service.errors import APIError, retry_after_seconds
 from service.tenancy.keys import Tenant
 from service.tenancy.ledger import Grant, QuotaLedger, View
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.config.speculative import SpeculativeConfig
 from model.engine.sequence import Sequence, TokenLogprob
 from model.engine.spec_decode import ngram
-from model.engine.spec_decode.config import SpeculativeConfig
 from model.engine.spec_decode.rejection import greedy_accept, rejection_sample
 from model.sampling.sampler import SamplingRow, process_logits, sampling_probs, token_logprobs
 

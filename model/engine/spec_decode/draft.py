@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from model.engine.block_manager import BlockManager
+from model.engine.kv.block_manager import BlockManager
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import Sequence

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from model.engine.host_memory import KEEP_FREED_MEMORY_ENV
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -58,7 +59,7 @@ def _run(env: dict[str, str]) -> dict:
 
 @glibc
 def test_cpu_engine_reuses_freed_pages() -> None:
-    got = _run({"QKV_KEEP_FREED_MEMORY": "1"})  # whatever the caller's environment says
+    got = _run({KEEP_FREED_MEMORY_ENV: "1"})  # whatever the caller's environment says
     assert got["applied"] is True
     assert got["faults"] < PAGES // 50, got  # freed blocks came back without the kernel
     # and the heap grows no more by whole steps (one step holds up to 146 MiB): what fragmentation
@@ -68,6 +69,6 @@ def test_cpu_engine_reuses_freed_pages() -> None:
 
 @glibc
 def test_opting_out_leaves_malloc_as_it_was() -> None:
-    got = _run({"QKV_KEEP_FREED_MEMORY": "0"})
+    got = _run({KEEP_FREED_MEMORY_ENV: "0"})
     assert got["applied"] is False
     assert got["faults"] > PAGES // 2, got  # a fresh mapping: a fault per page

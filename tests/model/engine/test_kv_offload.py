@@ -1,4 +1,4 @@
-"""The prefix cache's offload tier (model/engine/kv_offload.py): blocks evicted from the pool come
+"""The prefix cache's offload tier (model/engine/kv/offload.py): blocks evicted from the pool come
 back from host memory or a disk file instead of being recomputed, and outputs never change: greedy
 and seeded tokens with the tier on equal those with prefix caching off, alone, batched and under
 preemption; a block that does not read back (a corrupt file) or could not be written (a full disk)
@@ -15,8 +15,8 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine.block_manager import BlockManager
-from model.engine.kv_offload import DiskStore
+from model.engine.kv.block_manager import BlockManager
+from model.engine.kv.offload import DiskStore
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import Sequence
 from tests.model.engine.test_prefix_cache import run_step
@@ -211,7 +211,7 @@ def test_a_writer_that_falls_behind_skips_blocks_and_changes_no_token(reference,
     """A writer held up (a slow disk: every write waits on a gate here) does not hold up the step:
     past MAX_PENDING blocks queued, evicted blocks are skipped, and the blocks still queued are
     read from their copies."""
-    from model.engine import kv_offload
+    from model.engine.kv import offload as kv_offload
 
     gate, real = threading.Event(), DiskStore.write
 
@@ -253,8 +253,8 @@ def test_a_tier_smaller_than_one_block_is_refused() -> None:
 def test_the_service_exports_the_tiers_totals_as_counters(reference, tmp_path) -> None:
     """service/engine/metrics.py: each qkv_kv_offload_* counter gets what the engine's totals
     added since the last refresh (Ray's metric objects, their inc recorded)."""
-    from tests.support.in_process import recorded_counters
     from service.engine.metrics import EngineMetrics
+    from tests.support.in_process import recorded_counters
 
     llm = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=12, kv_offload_bytes=64 << 20))
     run_one_by_one(llm)

@@ -1,4 +1,4 @@
-"""Prefixes shared across replicas (model/engine/kv_share.py): engines pointed at one directory
+"""Prefixes shared across replicas (model/engine/kv/share.py): engines pointed at one directory
 load the blocks another computed instead of recomputing them, and outputs never change:
 greedy and seeded tokens equal those with prefix caching off, one by one and batched under
 preemption. A block file that does not check out (corrupt, truncated, another block's) is removed
@@ -16,9 +16,9 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine.block_manager import BlockManager
-from model.engine.kv_share import SharedTier
-from model.engine.kv_share_layout import HEADER, leading_files
+from model.engine.kv.block_manager import BlockManager
+from model.engine.kv.share import SharedTier
+from model.engine.kv.share_layout import HEADER, leading_files
 from model.engine.sequence import Sequence
 from tests.model.engine.test_kv_offload import MODEL, run_one_by_one, workload
 
@@ -173,7 +173,7 @@ def test_bad_settings_are_refused_with_what_is_allowed(fields, message) -> None:
 
 def test_the_router_finds_the_engines_blocks_and_lets_the_busy_holder_go(tmp_path) -> None:
     from service.routing.router import _route
-    from test_prefix_router import DEPLOYMENT, FakeReplica, ReplicaID, ids, pick, router
+    from tests.service.routing.test_prefix_router import DEPLOYMENT, FakeReplica, ReplicaID, ids, pick, router
 
     a = warm(tmp_path)
     prompts, _ = workload()

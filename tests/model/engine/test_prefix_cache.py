@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from model.engine.block_manager import BlockManager, block_hashes
+from model.engine.kv.block_manager import BlockManager, block_hashes
 from model.engine.scheduler import Scheduler
-from model.engine.sequence import Sequence, SeqStatus
+from model.engine.sequence import SeqStatus, Sequence
 from model.sampling.params import SamplingParams
 
 BS = 4

@@ -11,11 +11,10 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine.block_manager import BlockManager
 from model.engine.engine import Engine
+from model.engine.kv.block_manager import BlockManager
 from model.engine.scheduler import Scheduler
-from model.engine.sequence import Sequence, SeqStatus
-
+from model.engine.sequence import SeqStatus, Sequence
 from tests.model.engine import test_prefix_cache as prefix_cache_tests
 from tests.model.engine import test_scheduler as fcfs_scheduler_tests
 

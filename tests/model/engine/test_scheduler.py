@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from model.engine.block_manager import BlockManager, blocks_for
+from model.engine.kv.block_manager import BlockManager, blocks_for
 from model.engine.scheduler import Scheduler
-from model.engine.sequence import Sequence, SeqStatus
+from model.engine.sequence import SeqStatus, Sequence
 from model.sampling.params import SamplingParams
 
 

@@ -16,9 +16,9 @@ import torch
 from scipy.stats import chisquare
 
 from model import LLM, SamplingParams  # noqa: E402
+from model.config import SpeculativeConfig  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
-from model.engine.spec_decode import SpeculativeConfig  # noqa: E402
-from model.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
+from model.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
 from model.engine.spec_decode.ngram import propose  # noqa: E402
 from model.engine.spec_decode.rejection import greedy_accept, rejection_sample  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402

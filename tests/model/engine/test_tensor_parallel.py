@@ -14,19 +14,17 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
 
-from tests.support.local_serve import write_tiny_checkpoint  # noqa: E402
-from tests.support.tiny_models import save_tiny_gpt2, write_tiny_llama  # noqa: E402
-
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.engine.parallel import WorkerDiedError  # noqa: E402
+from tests.support.local_serve import write_tiny_checkpoint  # noqa: E402
+from tests.support.tiny_models import save_tiny_gpt2, write_tiny_llama  # noqa: E402
 
 BLOCK = 8
 NUM_BLOCKS = 24  # the batch of 16 below needs about 40: it is preempted
@@ -144,27 +142,30 @@ def test_tp2_matches_tp1(name: str, tmp_path, monkeypatch, kept) -> None:
 
 
 def test_killed_worker_is_worker_died_error(kept) -> None:
-    """Killing one worker fails the health check and the next step at once, not at the collective's timeout."""
+    """Killing one worker fails the health check and the next step by the worker's death, not by
+    the collective's timeout (whose error says "did not finish ... within")."""
+    from tests.support.polling import wait_until
+
     llm = kept.get("last") or _fresh_tp2("transformer-draft-small", kept)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def reports_the_death() -> bool:
+        try:
+            llm.engine.check_health()
+        except WorkerDiedError:
+            return True
+        return False
+
     try:
         assert len(llm.generate([[1, 2, 3]], greedy)[0].token_ids) == 4
         llm.engine.check_health()
         ray.kill(llm.engine.runner.workers[1])
-        started = time.monotonic()
         # ray.kill is asynchronous: a ping sent just after it may still be answered, so the
-        # health check is repeated until it reports the death (bounded below).
-        while True:
-            try:
-                llm.engine.check_health()
-            except WorkerDiedError:
-                break
-            assert time.monotonic() - started < 20, "the killed worker still answers health checks"
-            time.sleep(0.1)
+        # health check is repeated until it reports the death (a hang bound, far above normal).
+        wait_until(reports_the_death, 120, "the health check to report the killed worker", every_s=0.1)
         llm.engine.add_request("after-kill", [4, 5, 6], greedy)
-        with pytest.raises(WorkerDiedError):
+        with pytest.raises(WorkerDiedError, match="a tensor-parallel worker failed while a step"):
             llm.engine.step()
-        assert time.monotonic() - started < 20  # no wait on the collective's timeout
     finally:
         llm.shutdown()
     llm.shutdown()  # idempotent
@@ -173,7 +174,8 @@ def test_killed_worker_is_worker_died_error(kept) -> None:
 
 
 def test_hung_worker_times_out_as_worker_died_error(monkeypatch, kept) -> None:
-    """A worker that stops answering (SIGSTOP) fails the step at the step deadline, not never."""
+    """A worker that stops answering (SIGSTOP) fails the step at the step deadline, not never: the
+    error is the deadline's ("did not finish a step within 3 s") or rank 0's collective timing out."""
     monkeypatch.setenv("QKV_TP_TIMEOUT_S", "3")  # the driver's deadline and the collectives' timeout
     llm = _fresh_tp2("transformer-draft-small", kept)
     try:
@@ -181,12 +183,10 @@ def test_hung_worker_times_out_as_worker_died_error(monkeypatch, kept) -> None:
         pid = ray.get(llm.engine.runner.workers[1].ping.remote())
         os.kill(pid, signal.SIGSTOP)
         llm.engine.add_request("hung", [4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))
-        started = time.monotonic()
-        with pytest.raises(WorkerDiedError):  # the driver's deadline, or rank 0's collective timing out
+        with pytest.raises(WorkerDiedError, match=r"did not finish a step within 3 s|failed while a step"):
             llm.engine.step()
-        with pytest.raises(WorkerDiedError):
+        with pytest.raises(WorkerDiedError, match="health check"):
             llm.engine.check_health()
-        assert time.monotonic() - started < 15
     finally:
         llm.shutdown()  # SIGKILL ends a stopped process too
 

@@ -26,7 +26,7 @@ from model.engine.engine import Engine
 from model.layers.linear.kernel import int8_path, quant_matmul_q8
 from model.layers.linear.quantized import QuantizedLinear
 from model.loading.checkpoint import CheckpointError, load_model, save_model
-from model.loading.quantize import on_the_fly_scheme
+from model.loading.quant.quantize import on_the_fly_scheme
 from model.models.registry import build_model
 from tests.support.in_process import edge_app
 from tests.support.tiny_models import full_logits, write_tiny_llama
@@ -264,7 +264,7 @@ def test_the_lm_head_is_quantized_when_asked(family, llama_dir, qwen2_dir) -> No
 def test_the_lm_head_scheme_follows_quantize_lm_head() -> None:
     """auto: int8 on the CPU whatever the layers hold, full precision elsewhere and for float
     models; True: as the layers; "int8" needs quantized layers (EngineConfig says so)."""
-    from model.loading.quantize import head_scheme
+    from model.loading.quant.quantize import head_scheme
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     int4, int8 = on_the_fly_scheme("int4", 64), on_the_fly_scheme("int8", 128)

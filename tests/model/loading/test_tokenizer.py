@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from model.config import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
-from model.loading.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
+from model.engine.detokenizer import IncrementalDetokenizer
+from model.loading.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 TEXTS = ["Hello, world!", "你好，世界", "👍🏽 and 🎉", "mixed: café 日本語 🇯🇵 done"]
 SENTENCES = [

@@ -15,8 +15,9 @@ from model.engine.engine import Engine
 from model.sampling.params import SamplingParams
 from service.engine.admission import AdmissionGate, admission_capacity
 from service.engine.engine_loop import IDLE_WAKEUP_S, EngineFailure, EngineLoop, SubRequest
-from service.http.api import IngressSettings, build_api
+from service.server.api import IngressSettings, build_api
 from tests.support.local_serve import write_tiny_checkpoint
+from tests.support.polling import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +65,15 @@ def test_a_paced_reader_gets_the_steps_delivered_meanwhile_in_one_read(engine: E
             clock = asyncio.get_running_loop()
             params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
             sink = loop.submit([SubRequest("p", [1, 2, 3], params)])
-            reads: list[list[Any]] = []
-            not_before = 0.0
-            while not reads or not reads[-1][-1].finished:
-                items = await asyncio.wait_for(sink.get_all(not_before), 60)
-                assert clock.time() >= not_before
-                reads.append([out for item in items for out in item])
+            reads = [[out for item in await asyncio.wait_for(sink.get_all(), 60) for out in item]]
+            # The reader lags until the engine is done with the request: however fast or slow the
+            # steps ran, those after the first read are all waiting in the sink.
+            await wait_until_async(lambda: not engine.has_unfinished(), 60, "the request to finish")
+            while not reads[-1][-1].finished:
                 not_before = clock.time() + 0.2
+                items = await asyncio.wait_for(sink.get_all(not_before), 60)
+                assert clock.time() >= not_before  # nothing was taken before then
+                reads.append([out for item in items for out in item])
             deltas = [out for read in reads for out in read]
             assert sum(len(d.new_token_ids) for d in deltas) == 24
             assert [d.num_output_tokens for d in deltas] == sorted(d.num_output_tokens for d in deltas)
@@ -94,8 +97,9 @@ def test_abort_frees_blocks_within_a_step(engine: Engine) -> None:
             outs, _ = await _collect(sink, {"long"})
             assert outs["long"][-1].finish_reason == "abort"
             assert sum(len(d.new_token_ids) for d in outs["long"]) < 2000
-            await asyncio.sleep(0.1)  # let the loop take its idle stats snapshot
-            assert loop.stats.num_running == 0 and loop.stats.kv_cache_usage == 0.0
+            # the loop's idle stats snapshot follows the step that freed the blocks
+            await wait_until_async(lambda: loop.stats.num_running == 0 and loop.stats.kv_cache_usage == 0.0, 60,
+                                   "the loop's stats to show the blocks freed")
         finally:
             loop.stop()
 
@@ -202,15 +206,14 @@ def test_a_wedged_step_is_a_problem_once_it_passes_the_bound_and_an_idle_loop_ne
             assert loop.problem(stall_timeout_s=2.0) is None
             engine.wedge.set()
             loop.submit([SubRequest("r", [1], SamplingParams(max_tokens=5))])
-            assert await asyncio.to_thread(engine.wedged.wait, 10)
-            assert loop.problem(stall_timeout_s=2.0) is None  # just started: within the bound
-            await asyncio.sleep(2.5)
-            problem = loop.problem(stall_timeout_s=2.0)
-            assert loop.alive and problem is not None and "no progress" in problem
+            assert await asyncio.to_thread(engine.wedged.wait, 60)
+            assert loop.problem(stall_timeout_s=600.0) is None  # just started: well within a bound
+            # ...and a problem once the step has been stuck past the bound (it only grows)
+            problem = await wait_until_async(lambda: loop.problem(stall_timeout_s=2.0), 60, "the stall to be a problem")
+            assert loop.alive and "no progress" in problem
             engine.wedge.clear()
             engine.release.set()  # the step returns: progress again
-            await asyncio.sleep(0.5)
-            assert loop.problem(stall_timeout_s=2.0) is None
+            await wait_until_async(lambda: loop.problem(stall_timeout_s=2.0) is None, 60, "the loop to progress again")
         finally:
             engine.release.set()
             loop.stop()
@@ -256,7 +259,7 @@ def test_a_lagging_stream_gets_every_step_since_its_last_read_in_one_batch(engin
     """The replica's stream (service/replica/engine_deployment.py): a reader that comes back late takes
     every delta delivered meanwhile at once, in order, nothing lost; the step thread woke the
     event loop once per step for all streams, not once per request."""
-    from service.replica.engine_deployment import EngineHost
+    from service.host.engine_host import EngineHost
 
     async def run() -> None:
         metrics = _CountingMetrics()
@@ -276,7 +279,8 @@ def test_a_lagging_stream_gets_every_step_since_its_last_read_in_one_batch(engin
             streams = [host.generate([SubRequest(f"r{i}", [1 + i, 2, 3], params)]) for i in range(3)]
             first = [await asyncio.wait_for(s.__anext__(), 60) for s in streams]  # queued now
             assert all(isinstance(b, list) for b in first)
-            await asyncio.sleep(0.5)  # the reader lags: the steps go on without it
+            # The reader lags until the engine is done: the steps go on without it.
+            await wait_until_async(lambda: not engine.has_unfinished(), 60, "the requests to finish")
             batches = {i: first[i] + await asyncio.wait_for(s.__anext__(), 60) for i, s in enumerate(streams)}
             assert any(len(b) > 2 for b in batches.values()), "nothing merged while the reader lagged"
             for i, s in enumerate(streams):
@@ -296,7 +300,7 @@ def test_a_lagging_stream_gets_every_step_since_its_last_read_in_one_batch(engin
 
 
 def test_cancelling_a_stream_aborts_its_requests_and_frees_their_blocks(engine: Engine) -> None:
-    from service.replica.engine_deployment import EngineHost
+    from service.host.engine_host import EngineHost
 
     async def run() -> None:
         metrics = _CountingMetrics()
@@ -308,10 +312,7 @@ def test_cancelling_a_stream_aborts_its_requests_and_frees_their_blocks(engine: 
             await asyncio.wait_for(stream.__anext__(), 60)
             stream.cancel()
             assert metrics.aborted == 2
-            deadline = asyncio.get_running_loop().time() + 10
-            while engine.has_unfinished() and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.05)
-            assert not engine.has_unfinished()
+            await wait_until_async(lambda: not engine.has_unfinished(), 60, "the aborted requests to leave the engine")
             assert engine.stats().num_free_blocks == free
             with pytest.raises(StopAsyncIteration):
                 await stream.__anext__()

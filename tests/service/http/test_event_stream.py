@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from service.http.api import ResponseCounter
 from service.http.event_stream import EventStream
 from service.openai.formats import ChunkLines, sse
+from service.server.api import ResponseCounter
 
 
 class Seen:

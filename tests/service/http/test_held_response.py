@@ -1,4 +1,4 @@
-"""A non-streamed answer that runs past its first token starts its response early (service/http/api.py
+"""A non-streamed answer that runs past its first token starts its response early (service/server/api.py
 `respond`, `HeldResponse`): a 200, a space every PROBE_EVERY_S, then the body, so that HAProxy,
 which passes a client's close on only when a write to it fails, closes the replica's side and the
 work is cancelled. Driven here through the real `EngineCall` over a scripted engine stream and a
@@ -8,25 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 from starlette.responses import JSONResponse
 
 from service.engine.admission import AdmissionGate
-from service.http import api
-from service.http.api import HeldResponse, respond
+from service.errors import APIError
 from service.http.engine_call import EngineCall
-from service.http.errors import APIError
+from service.server import api
+from service.server.api import HeldResponse, respond
 
 
 class ScriptedStream:
-    """An engine stream: `first` after `first_after_s`, then nothing until `cancel()` or `end_after_s`."""
+    """An engine stream: `first` after `first_after_s`, then nothing until `cancel()`, or until
+    `end_after_s` has passed, or until `ends` is set when given (the test says when)."""
 
-    def __init__(self, first: Any, first_after_s: float, end_after_s: float) -> None:
+    def __init__(self, first: Any, first_after_s: float, end_after_s: float = 0.0,
+                 ends: asyncio.Event | None = None) -> None:
         self._items = [(first_after_s, first)]
         self._end_after_s = end_after_s
+        self._ends = ends
         self.cancelled = asyncio.Event()
 
     def __aiter__(self) -> AsyncIterator[Any]:
@@ -37,7 +40,10 @@ class ScriptedStream:
             delay, item = self._items.pop(0)
             await asyncio.sleep(delay)
             return item
-        await asyncio.sleep(self._end_after_s)
+        if self._ends is not None:
+            await self._ends.wait()
+        else:
+            await asyncio.sleep(self._end_after_s)
         raise StopAsyncIteration
 
     def cancel(self) -> None:
@@ -66,8 +72,10 @@ def work(stream: ScriptedStream, answer: dict[str, Any] | None = None, timeout_s
     return run()
 
 
-async def drive(response: Any, disconnect_after_s: float | None = None) -> list[dict[str, Any]]:
-    """Run an ASGI response, recording what it sends; the client leaves after `disconnect_after_s`."""
+async def drive(response: Any, disconnect_after_s: float | None = None,
+                on_send: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Run an ASGI response, recording what it sends (`on_send` sees the record after each
+    message); the client leaves after `disconnect_after_s`."""
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -78,6 +86,8 @@ async def drive(response: Any, disconnect_after_s: float | None = None) -> list[
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
+        if on_send is not None:
+            on_send(sent)
 
     await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
     return sent
@@ -93,9 +103,11 @@ def fast_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(api, "PROBE_EVERY_S", 0.05)
 
 
-def test_a_quick_answer_is_a_plain_json_response() -> None:
+def test_a_quick_answer_is_a_plain_json_response(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "FIRST_BYTE_AFTER_S", 60.0)  # done long before: however loaded the machine
+
     async def main() -> None:
-        stream = ScriptedStream([], 0.0, 0.01)
+        stream = ScriptedStream([], 0.0, 0.0)
         response = await respond(work(stream))
         assert isinstance(response, JSONResponse) and response.status_code == 200
         assert json.loads(response.body)["choices"][0]["text"] == "hi"
@@ -104,16 +116,22 @@ def test_a_quick_answer_is_a_plain_json_response() -> None:
 
 def test_a_long_answer_starts_early_sends_spaces_then_its_json() -> None:
     async def main() -> None:
-        stream = ScriptedStream([], 0.0, 0.5)
+        answered = asyncio.Event()  # the work ends once three spaces went out: not after a set time
+        stream = ScriptedStream([], 0.0, ends=answered)
         response = await respond(work(stream))
         assert isinstance(response, HeldResponse)
-        sent = await drive(response)
+
+        def after_three_spaces(sent: list[dict[str, Any]]) -> None:
+            if body_of(sent).count(b" ") >= 3:
+                answered.set()
+
+        sent = await asyncio.wait_for(drive(response, on_send=after_three_spaces), 60)
         assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
         assert (b"content-type", b"application/json") in sent[0]["headers"]
         assert not any(name == b"content-length" for name, _ in sent[0]["headers"])
         body = body_of(sent)
         spaces = len(body) - len(body.lstrip())
-        assert spaces >= 3 and body[:spaces] == b" " * spaces  # 0.4 s of 0.05 s probes, give or take
+        assert spaces >= 3 and body[:spaces] == b" " * spaces
         assert json.loads(body)["choices"][0]["text"] == "hi"
         assert sent[-1]["more_body"] is False
     asyncio.run(main())
@@ -121,14 +139,13 @@ def test_a_long_answer_starts_early_sends_spaces_then_its_json() -> None:
 
 def test_a_client_that_leaves_cancels_the_work_and_aborts_the_engine_call() -> None:
     async def main() -> None:
-        stream = ScriptedStream([], 0.0, 60.0)
+        stream = ScriptedStream([], 0.0, ends=asyncio.Event())  # never ends by itself
         response = await respond(work(stream))
         assert isinstance(response, HeldResponse)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        sent = await asyncio.wait_for(drive(response, disconnect_after_s=0.2), 5)
-        await asyncio.wait_for(stream.cancelled.wait(), 1)  # the engine's sequences are aborted
-        assert loop.time() - t0 < 2  # not the 60 s the stream would run
+        # Bounded only against a hang: the response ends because the client left (the stream never
+        # would), and the engine's sequences are aborted.
+        sent = await asyncio.wait_for(drive(response, disconnect_after_s=0.2), 60)
+        await asyncio.wait_for(stream.cancelled.wait(), 60)
         assert sent[0]["status"] == 200 and body_of(sent).strip() == b""  # spaces only, no body
     asyncio.run(main())
 
@@ -144,10 +161,12 @@ def test_a_failure_before_the_first_item_keeps_its_status() -> None:
     asyncio.run(main())
 
 
-def test_a_failure_after_the_response_started_is_the_error_object_in_the_body() -> None:
+def test_a_failure_after_the_response_started_is_the_error_object_in_the_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "FIRST_BYTE_AFTER_S", 0.0)  # the response starts at the first item, before the deadline
+
     async def main() -> None:
-        stream = ScriptedStream([], 0.0, 60.0)
-        response = await respond(work(stream, timeout_s=0.4))  # the deadline comes after the first byte
+        stream = ScriptedStream([], 0.0, ends=asyncio.Event())  # never ends by itself
+        response = await respond(work(stream, timeout_s=0.4))
         assert isinstance(response, HeldResponse)
         sent = await drive(response)
         assert sent[0]["status"] == 200

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from service.anthropic.protocol import MessagesRequest
-from service.http.errors import APIError
+from service.errors import APIError
 from service.http.images import ImageLimits, ImageLoader, ImageRef, chat_image_refs, decode_image
 from service.openai.protocol import ChatCompletionRequest
 from service.openai.responses import chat_request

@@ -31,6 +31,7 @@ from tests.support.tiny_models import EOS_TOKEN, build_tokenizer, torch_threads,
 st = pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
+
 from tests.support.local_serve import SharedServe  # noqa: E402
 
 VOCAB, HIDDEN = 301, 64
@@ -154,8 +155,8 @@ def test_unsupported_module_is_reported(last_dir: Path, tmp_path: Path) -> None:
 
 def _edge(directory: Path, body_limit: int = 1 << 20, capacity: int = -1, api_key: str | None = None) -> Any:
     """An async context: (httpx client of the replica's app over a real EngineHost, engine)."""
-    from service.http.api import IngressSettings
     from service.http.engine_call import OverloadPolicy
+    from service.server.api import IngressSettings
 
     engine = Engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation, the engine's side (model/engine/kv_transfer.py): a prefill
+"""Prefill/decode disaggregation, the engine's side (model/engine/kv/transfer.py): a prefill
 engine computes a prompt and exports its blocks, a decode engine receives them and decodes; the
 tokens are those of colocated serving (greedy and seeded, one by one and batched under
 preemption), blocks of another model or layout are refused, and nothing is left held."""
@@ -9,7 +9,7 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine.kv_transfer import IncomingBlocks
+from model.engine.kv.transfer import IncomingBlocks
 from tests.model.engine.test_kv_offload import MODEL, workload
 
 POOL = 12

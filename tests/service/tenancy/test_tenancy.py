@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from tests.support.in_process import edge_app
-from service.http.api import IngressSettings
+from service.server.api import IngressSettings
 from service.tenancy.keys import KeyTable, Limits, hash_key, parse_keys
 from service.tenancy.ledger import ALLOWANCE_TTL_S, UNLIMITED, WINDOW_S, QuotaLedger
 from service.tenancy.quotas import Quotas
+from tests.support.in_process import edge_app
 from tests.support.tiny_models import write_tiny_llama
 
 MODEL = "tiny"

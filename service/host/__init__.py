@@ -1,0 +1,1 @@
+"""The Ray-free host of one engine: its step thread and the streams of its callers."""
