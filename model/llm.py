@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from model.config import EngineConfig
-from model.engine.engine import Engine
+from model.engine.builder import build_engine
 from model.engine.sequence import TokenLogprob
 from model.inspect.attention_maps import AttentionMaps
 from model.inspect.attention_spec import AttentionSpec
@@ -54,7 +54,7 @@ class LLM:
                             f"engine_config, revision and the EngineConfig fields: {', '.join(sorted(ENGINE_FIELDS))}")
         if engine_args:
             engine_config = (engine_config or EngineConfig()).replace(**engine_args)
-        self.engine = Engine(model, engine_config, device=device, dtype=dtype, seed=seed, revision=revision)
+        self.engine = build_engine(model, engine_config, device=device, dtype=dtype, seed=seed, revision=revision)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -11,36 +11,21 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from model.config import PRESETS, EngineConfig, ModelConfig, RuntimeInfo
-from model.config.speculative import SpeculativeConfig
 from model.engine.detokenizer import IncrementalDetokenizer
-from model.engine.embedder import Embedder
-from model.engine.host_memory import keep_freed_memory
 from model.engine.image_step import span_embeds, span_positions
-from model.engine.kv.block_manager import BlockManager, blocks_for
-from model.engine.kv.offload import KVOffload, PoolBlocks
-from model.engine.kv.share import SharedTier, Tiers
-from model.engine.kv.share_layout import namespace
-from model.engine.kv.transfer import IncomingBlocks, KVBlocks
-from model.engine.lora_manager import LoraManager
-from model.engine.runner import ModelRunner
-from model.engine.scheduler import ScheduledSeq, Scheduler
+from model.engine.kv.block_manager import blocks_for
+from model.engine.kv.transfer import KVBlocks
+from model.engine.parts import EngineParts
+from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
-from model.engine.spec_decode.decoder import SpecDecoder
-from model.engine.spec_decode.draft import DraftProposer
 from model.inspect.attention_maps import AttentionMaps, capture_attention
-from model.inspect.attention_spec import AttentionShape, check_attention
-from model.layers.kv_cache import KVCache
-from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
-from model.loading.pooling_config import read_pooling_config
-from model.loading.quant.quantize import head_scheme, on_the_fly_scheme, quantization_of, set_int8_activations
-from model.loading.quant.scheme import QuantScheme
+from model.inspect.attention_spec import check_attention
 from model.multimodal.inputs import MultiModalInputs
 from model.multimodal.processor import ImageInputError, ImageProcessor
 from model.sampling.params import SamplingParams
 from model.sampling.request_checks import check_request
 from model.sampling.sampler import SamplingRow
-from model.sampling.structured import GrammarConstraint, StructuredOutputs
+from model.sampling.structured import GrammarConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -108,137 +93,34 @@ class _Request:
 class Engine:
     """Hosts one model, its paged KV cache and the scheduler; batches every in-flight request."""
 
-    def __init__(self, model: str = "transformer-base", engine_config: EngineConfig | None = None,
-                 device: str = "auto", dtype: str = "auto", seed: int = 0, revision: str | None = None) -> None:
-        """`model`: a preset, a checkpoint directory or an HF hub id (at `revision`)."""
-        self.config = engine_config or EngineConfig()
-        self.device = resolve_device(device)
-        source = resolve_model(model, revision)  # a preset, or the checkpoint directory (a hub id's snapshot)
-        self.dtype = resolve_dtype(dtype, self.device, model_dtype(source))
-        torch.manual_seed(seed)
-        self.model_name = model
-        ec = self.config
-        self.head_scheme: QuantScheme | None = None  # the LM head's quantization (model/loading/quantize.head_scheme)
-        if ec.tensor_parallel_size > 1:  # the weights live in the workers (model/engine/parallel/)
-            from model.engine.parallel.driver import model_metadata  # noqa: PLC0415 (imports Ray)
-
-            self.model_config, self.tokenizer, self.generation_config = model_metadata(source)
-            net = None
-        else:
-            layers = on_the_fly_scheme(ec.quantization, ec.quantization_group_size)
-            head = head_scheme(ec.quantize_lm_head, layers, self.device)
-            self.model_config, net, self.tokenizer, self.generation_config = load_weights(
-                source, self.dtype, self.device, quantize=layers, quantize_lm_head=head or False)
-            self.head_scheme = head
-        self.quant_scheme = quantization_of(net)  # on the fly, or the checkpoint's own (GPTQ, AWQ)
-        self.int8_activations = net is not None and self._int8_activations(net)
-        cfg = self.model_config
-        max_len = min(self.config.max_model_len or cfg.max_position, cfg.max_position)
-        kv = self.config.kv_cache_dtype
-        self.kv_cache_dtype = self.dtype if kv == "auto" else getattr(torch, kv)
-        num_blocks = self._num_blocks(cfg, max_len)
-        # One block more than the block manager hands out: the scratch block where padding rows of
-        # static (CUDA-graph) decode batches write (model/engine/runner.py).
-        if net is None:
-            from model.engine.parallel.driver import TensorParallelRunner  # noqa: PLC0415
-
-            self.runner = TensorParallelRunner(source, cfg, ec, num_blocks + 1, self.device, self.dtype,
-                                               self.kv_cache_dtype, requested_device=device)
-        else:
-            cache = KVCache(cfg.n_layers, num_blocks + 1, self.config.block_size, cfg.kv_heads, cfg.d_head,
-                            self.kv_cache_dtype, self.device)
-            self.runner = ModelRunner(net, cache, self.device, self.config.attention_backend,
-                                      self.config.enforce_eager, scratch_block=num_blocks,
-                                      max_num_seqs=self.config.max_num_seqs, max_model_len=max_len,
-                                      encoder_cache_size=self.config.encoder_cache_size)
-        if self.device.type == "cpu":  # after the load, whose temporaries went back to the kernel
-            keep_freed_memory()  # steps reuse the pages the last one freed (model/engine/host_memory.py)
-        self.lora: LoraManager | None = None  # LoRA adapters over this model (model/loading/lora.py)
-        if ec.lora_modules or ec.lora_dynamic_path:
-            self.lora = LoraManager(net, None if source in PRESETS else source, model, ec.lora_modules,
-                                    ec.lora_dynamic_path, ec.max_loras, ec.max_lora_rank, self.dtype)
-            self.runner.lora = self.lora.state
+    def __init__(self, parts: EngineParts) -> None:
+        """`parts` from `model.engine.builder.build_parts`; `build_engine(model, engine_config, ...)`
+        makes both."""
+        self.config = parts.config
+        self.model_name = parts.model_name
+        self.device, self.dtype, self.kv_cache_dtype = parts.device, parts.dtype, parts.kv_cache_dtype
+        self.model_config, self.tokenizer, self.generation_config = (parts.model_config, parts.tokenizer,
+                                                                     parts.generation_config)
+        self.runner, self.scheduler, self.runtime = parts.runner, parts.scheduler, parts.runtime
+        self.quant_scheme, self.head_scheme = parts.quant_scheme, parts.head_scheme
+        self.int8_activations = parts.int8_activations
+        self.lora = parts.lora  # LoRA adapters over this model (model/engine/lora_manager.py)
         self._lora_waiting: list[_Request] = []  # requests whose adapter waits for a free slot
         # Prefill-only forwards for /v1/embeddings, run by the step thread between steps (service/openai/embeddings.py).
-        pooling = read_pooling_config(None if source in PRESETS else source, cfg.d_model)
-        # None under tensor parallelism: embeddings need the whole model in this process.
-        self.embedder = (Embedder(net, pooling, self.device, self.config.max_num_batched_tokens)
-                         if net is not None else None)
-        self.attention_shape = AttentionShape.of(cfg)
-        # One engine hosts one model: its identity (weights seed/architecture, attention kind,
-        # dtype) salts every block hash, since the cached K/V are a function of all of them.
-        salt = f"{model}|{cfg!r}|{self.dtype}".encode()
-        caching = self.config.enable_prefix_caching and self.config.enable_kv_cache
-        self.kv_offload = (KVOffload(cache.keys + cache.values, ec.kv_offload_bytes, ec.kv_offload_dir)
-                           if ec.kv_offload_bytes and net is not None else None)
-        self.prefix_salt = salt  # the router hashes prompts as this engine does (service/routing/router.py)
-        pool = cache.keys + cache.values if net is not None else []
-        # What this engine's blocks are valid for (model, config, dtype, layout): shared and transferred blocks carry it.
-        self.kv_namespace = namespace(salt, [(tuple(t.shape[1:]), str(t.dtype)) for t in pool])
-        self.kv_share = (SharedTier(pool, ec.kv_share_dir, ec.kv_share_bytes, self.kv_namespace)
-                         if ec.kv_share_dir is not None and net is not None else None)
-        # Blocks a prefill replica computed for requests not yet admitted here (model/engine/kv/transfer.py).
-        self.incoming = IncomingBlocks(PoolBlocks(pool)) if caching and net is not None else None
-        tiers = [t for t in (self.incoming, self.kv_offload, self.kv_share) if t is not None]
-        blocks = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching=caching, salt=salt,
-                              tier=tiers[0] if len(tiers) == 1 else Tiers(*tiers) if tiers else None)
-        # Rotations that depend on a sequence's length (model/layers/positions.py): dynamic NTK, LongRoPE.
-        rope = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.kind in ("dynamic", "longrope") \
-            else None
-        self.scheduler = Scheduler(blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   recompute_all=not self.config.enable_kv_cache,
-                                   rope_long_from=rope.original_max_position if rope else None,
-                                   rope_recompute=rope is not None and rope.recompute_past_original,
-                                   rope_per_length=rope is not None and rope.kind == "dynamic",
-                                   window=_widest_window(cfg), policy=ec.scheduling_policy,
-                                   priority_aging_s=ec.priority_aging_s)
-        self.runtime = RuntimeInfo(str(self.device), str(self.dtype).removeprefix("torch."), num_blocks,
-                                   self.config.block_size, max_len,
-                                   self.quant_scheme.method if self.quant_scheme else "none")
+        self.embedder = parts.embedder
+        self.attention_shape = parts.attention_shape
+        self.prefix_salt, self.kv_namespace = parts.prefix_salt, parts.kv_namespace
+        self.kv_offload, self.kv_share, self.incoming = parts.kv_offload, parts.kv_share, parts.incoming
+        self.structured, self.image_processor, self.spec = parts.structured, parts.image_processor, parts.spec
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, list(self.tokenizer.eos_token_ids))
-        self.image_processor = self._image_processor(cfg, source)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
-        self.spec = _spec_decoder(self.config.speculative_config, cfg.vocab_size, self._eos_ids, num_blocks,
-                                  self.config.block_size, self.device, self.dtype, self.config.attention_backend)
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s%s", model,
-                    self.runtime.device, self.runtime.dtype, num_blocks, self.config.block_size,
-                    str(self.kv_cache_dtype).removeprefix("torch."),
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s%s",
+                    self.model_name, self.runtime.device, self.runtime.dtype, self.runtime.num_kv_blocks,
+                    self.config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
                     (self.quant_scheme.describe() | {"lm_head": self.head_scheme.method if self.head_scheme else None})
                     if self.quant_scheme else "none",
                     " with int8 activations" if self.int8_activations else "")
-
-    def _int8_activations(self, net: torch.nn.Module) -> bool:
-        """Apply `quantization_activations` to the model's quantized layers (CPU only); whether
-        they round their activations to int8."""
-        from model.layers.linear.kernel import int8_path  # noqa: PLC0415 (builds the kernel)
-
-        mode = self.config.quantization_activations
-        if self.quant_scheme is None or self.device.type != "cpu" or mode == "float32":
-            return False
-        if int8_path() == 0:
-            if mode == "int8":
-                logger.warning("quantization_activations=int8: the quantized-matmul kernel has no integer "
-                               "vector path on this CPU, keeping float32 activations")
-            return False
-        return set_int8_activations(net, True) > 0
-
-    def _num_blocks(self, cfg: ModelConfig, max_len: int) -> int:
-        ec = self.config
-        if ec.num_kv_blocks is not None:
-            return ec.num_kv_blocks
-        per_block = KVCache.bytes_per_block(cfg.n_layers, ec.block_size, cfg.kv_heads, cfg.d_head,
-                                            self.kv_cache_dtype)
-        budget = ec.kv_cache_bytes
-        if budget is None:
-            budget = int(ec.kv_cache_fraction * _free_memory(self.device))
-        # Never more than every sequence slot at full length needs.
-        enough = ec.max_num_seqs * blocks_for(max_len, ec.block_size)
-        num = min(budget // per_block, enough)
-        if num < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)")
-        return int(num)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -333,14 +215,6 @@ class Engine:
         elif req.seq.lora_slot >= 0:
             self.lora.release(req.seq.lora)
             req.seq.lora_slot = -1
-
-    def _image_processor(self, cfg: ModelConfig, source: str) -> ImageProcessor | None:
-        """A vision model's image processor (its checkpoint's own); None for a text model."""
-        if cfg.vision is None:
-            return None
-        if self.runner.model is None:
-            raise ValueError("vision models do not run with tensor_parallel_size > 1 yet")
-        return ImageProcessor.from_directory(source, cfg.vision)
 
     def process_images(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], MultiModalInputs]:
         """The prompt with each image placeholder expanded to its image's tokens, and the images as
@@ -618,25 +492,6 @@ class Engine:
         return self._delta(req, text, toks, lps, token_times or [])
 
 
-def _spec_decoder(raw: dict | None, vocab: int, eos: frozenset[int], num_blocks: int, block_size: int,
-                  device: torch.device, dtype: torch.dtype, backend: str) -> SpecDecoder | None:
-    config = SpeculativeConfig.parse(raw)
-    if config is None:
-        return None
-    draft = None
-    if config.method == "draft_model":
-        draft = DraftProposer(config.model, vocab, eos, num_blocks, block_size, device, dtype, backend)
-    return SpecDecoder(config, draft)
-
-
-def _widest_window(cfg: ModelConfig) -> int | None:
-    """The sliding window past which a sequence's blocks can be given back: the widest of the
-    layers' windows when every layer has one (Mistral v0.1), else None (a global layer reads
-    every block, as Gemma 2/3's and gpt-oss's do)."""
-    windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
-    return None if any(w is None for w in windows) else max(windows)
-
-
 def _merge(outs: list[RequestOutput]) -> RequestOutput:
     """One step's deltas of one request (a speculating sequence emits several tokens) as one."""
     last = outs[-1]
@@ -648,14 +503,3 @@ def _merge(outs: list[RequestOutput]) -> RequestOutput:
             last.new_logprobs = [lp for o in outs for lp in o.new_logprobs or []]
         last.prompt_logprobs = outs[0].prompt_logprobs
     return last
-
-
-def _free_memory(device: torch.device) -> int:
-
-    """Bytes of memory free for the KV cache on `device`."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024

@@ -81,7 +81,7 @@ class EngineReplica:
         of at least `prefill_min_tokens` tokens are prefilled there, each call given up (and the
         prompt prefilled here) after `prefill_timeout_s`.
         `quotas`: a handle to the app's `QuotaLedgerDeployment` (with a keys file)."""
-        from model.engine.engine import Engine  # heavy import; keeps this module importable without it
+        from model.engine.builder import build_engine  # heavy import; keeps this module importable without it
 
         if torch_threads:
             # The step thread is the only torch user here; Ray's default of OMP_NUM_THREADS=1
@@ -92,7 +92,7 @@ class EngineReplica:
         # is built on the thread that then runs its steps (engine_loop.TorchThread says why).
         torch_thread = TorchThread(torch.get_num_threads())
         engine = await asyncio.wrap_future(torch_thread.submit(functools.partial(
-            Engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed, revision=revision)))
+            build_engine, model=model, engine_config=config, device=device, dtype=dtype, seed=seed, revision=revision)))
         if engine_wrapper is not None:  # tests only (a callable: no config can set it)
             engine = engine_wrapper(engine)
         self._host = EngineHost(engine, served_model_name, stall_timeout_s, stream_interval_s=stream_interval_ms / 1000,

@@ -192,14 +192,14 @@ def test_the_window_drops_old_samples_by_time_and_by_count() -> None:
 def test_a_replica_reports_the_first_token_latency_of_each_request(tmp_path: Any) -> None:
     """EngineHost over a real engine: each request's first token lands in the window once."""
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
     from model.sampling.params import SamplingParams
     from service.engine.engine_loop import SubRequest
     from service.host.engine_host import EngineHost
     from tests.support.in_process import NullMetrics
     from tests.support.local_serve import write_tiny_checkpoint
 
-    engine = Engine(str(write_tiny_checkpoint(tmp_path / "tiny")), EngineConfig(max_num_seqs=1, num_kv_blocks=64))
+    engine = build_engine(str(write_tiny_checkpoint(tmp_path / "tiny")), EngineConfig(max_num_seqs=1, num_kv_blocks=64))
 
     async def serve_three() -> tuple[dict[str, float], list[Any]]:
         host = EngineHost(engine, "tiny", metrics=NullMetrics())

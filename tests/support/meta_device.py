@@ -109,17 +109,17 @@ def _flex_on_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask:
 
 @contextlib.contextmanager
 def engine_on_meta(monkeypatch) -> Iterator[HostReads]:
-    """Inside: `Engine(..., device="cuda")` builds on the meta device (the KV cache sized by
+    """Inside: `build_engine(..., device="cuda")` builds on the meta device (the KV cache sized by
     `num_kv_blocks` or `kv_cache_bytes`, which the caller sets), and its steps run under
     `HostReads`."""
-    import model.engine.engine as engine_mod
+    import model.engine.builder as builder_mod
     import model.engine.spec_decode.draft as draft_mod
     import model.layers.flex_attention as flex_mod
 
     def resolve(device: str) -> torch.device:
         return META
 
-    monkeypatch.setattr(engine_mod, "resolve_device", resolve)
+    monkeypatch.setattr(builder_mod, "resolve_device", resolve)
     if hasattr(draft_mod, "resolve_device"):
         monkeypatch.setattr(draft_mod, "resolve_device", resolve)
     monkeypatch.setattr(flex_mod, "flex_attention", _flex_on_meta)

@@ -10,6 +10,7 @@ import torch
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 from model.engine.runner import batch_buckets
 from model.engine.scheduler import ScheduledSeq
@@ -50,7 +51,7 @@ def _prefilled(engine: Engine, tables: list[list[int]], lengths: list[int]) -> l
 @pytest.mark.parametrize("backend", ["gather", "fused", "flex"])
 @torch.inference_mode()
 def test_static_decode_step_equals_the_eager_step(llama_dir, backend) -> None:
-    engine = Engine(llama_dir, EngineConfig(num_kv_blocks=24, block_size=BS, max_num_seqs=8, attention_backend=backend,
+    engine = build_engine(llama_dir, EngineConfig(num_kv_blocks=24, block_size=BS, max_num_seqs=8, attention_backend=backend,
                                             enforce_eager=False))
     runner, graphs = engine.runner, engine.runner.graphs
     assert graphs is not None and graphs.scratch_block == 24 and runner.cache.num_blocks == 25
@@ -94,7 +95,7 @@ def test_cpu_default_is_eager() -> None:
     """enforce_eager=None: static buffers only where a graph is captured (they cost padding rows);
     the CUDA half is tests/gpu/test_gpu.py's (`pytest -m gpu`)."""
     assert EngineConfig().enforce_eager is None
-    engine = Engine("transformer-base", EngineConfig(num_kv_blocks=8), device="cpu")
+    engine = build_engine("transformer-base", EngineConfig(num_kv_blocks=8), device="cpu")
     assert engine.runner.graphs is None
 
 
@@ -105,7 +106,7 @@ def test_cpu_default_is_eager() -> None:
     ("transformer-base-additive", "flex", True),  # additive scores have no kernel: decode gathers
 ])
 def test_the_workspace_is_reserved_only_where_decode_gathers(model, backend, gathers) -> None:
-    engine = Engine(model, EngineConfig(num_kv_blocks=32, block_size=BS, max_num_seqs=12, max_model_len=40,
+    engine = build_engine(model, EngineConfig(num_kv_blocks=32, block_size=BS, max_num_seqs=12, max_model_len=40,
                                         attention_backend=backend, enforce_eager=False), device="cpu")
     graphs = engine.runner.graphs
     graphs.reserve_workspace()
@@ -115,7 +116,7 @@ def test_the_workspace_is_reserved_only_where_decode_gathers(model, backend, gat
 @pytest.fixture
 def capturing_engine(llama_dir):
     """An engine whose static decode path tries to capture (as on CUDA), with two sequences to decode."""
-    engine = Engine(llama_dir, EngineConfig(num_kv_blocks=24, block_size=BS, max_num_seqs=4, enforce_eager=False),
+    engine = build_engine(llama_dir, EngineConfig(num_kv_blocks=24, block_size=BS, max_num_seqs=4, enforce_eager=False),
                     device="cpu")
     engine.runner.graphs.capture = True
     seqs = _prefilled(engine, [[1, 2], [3, 4, 5]], [6, 9])

@@ -16,6 +16,7 @@ import torch
 
 from tests.support.meta_device import engine_on_meta
 from model.config import EngineConfig
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 from model.sampling.params import SamplingParams
 from model.sampling.sampler import SamplingRow, sample
@@ -59,7 +60,7 @@ def _run(engine: Engine, params: list[SamplingParams], lora: str | None = None,
 def _engine(model: str, **config) -> Engine:
     config = {"num_kv_blocks": 48, "block_size": 4, "max_num_seqs": 8, **config}
     dtype = config.pop("dtype", "auto")
-    return Engine(model, EngineConfig(**config), device="cuda", dtype=dtype)
+    return build_engine(model, EngineConfig(**config), device="cuda", dtype=dtype)
 
 
 def _check(got: dict[str, list[int]], params: list[SamplingParams], mode, tokens: int = 3) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 
 MODEL = "transformer-base"
@@ -94,7 +95,7 @@ def drain(engine: Engine) -> list:
 
 
 def test_abort_running_and_waiting_returns_the_pool_to_full() -> None:
-    engine = Engine(MODEL, EngineConfig(num_kv_blocks=16, block_size=16, max_num_seqs=2))
+    engine = build_engine(MODEL, EngineConfig(num_kv_blocks=16, block_size=16, max_num_seqs=2))
     for i in range(4):
         engine.add_request(f"r{i}", list(range(1, 60)), SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(3):
@@ -111,7 +112,7 @@ def test_abort_running_and_waiting_returns_the_pool_to_full() -> None:
 
 
 def test_finished_requests_free_their_blocks_and_report_times() -> None:
-    engine = Engine(MODEL, EngineConfig(num_kv_blocks=16, block_size=16))
+    engine = build_engine(MODEL, EngineConfig(num_kv_blocks=16, block_size=16))
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
     outs = drain(engine)
     assert [len(o.new_token_ids) for o in outs] == [1] * 5
@@ -132,14 +133,14 @@ def test_finished_requests_free_their_blocks_and_report_times() -> None:
     ([1], SamplingParams(logit_bias={258: 1.0}), "token id 258 in logit_bias is outside the vocabulary"),
 ])
 def test_add_request_rejects_bad_input(prompt, params, message) -> None:
-    engine = Engine(MODEL, EngineConfig(num_kv_blocks=128))
+    engine = build_engine(MODEL, EngineConfig(num_kv_blocks=128))
     with pytest.raises(ValueError, match=message):
         engine.add_request("x", prompt, params)
     assert not engine.has_unfinished()
 
 
 def test_duplicate_request_id_and_oversized_request_are_rejected() -> None:
-    engine = Engine(MODEL, EngineConfig(num_kv_blocks=4, block_size=16))
+    engine = build_engine(MODEL, EngineConfig(num_kv_blocks=4, block_size=16))
     engine.add_request("x", [1], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("x", [1], SamplingParams(max_tokens=2))

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -30,10 +29,10 @@ PAGES = sum(sum(SIZES_MIB[: 1 + i % 4]) for i in range(STEPS)) * 256  # 4 KiB pa
 SCRIPT = f"WARMUP, STEPS, SIZES_MIB = {WARMUP}, {STEPS}, {SIZES_MIB}\n" + """
 import json, resource, torch
 from model.config import EngineConfig
-from model.engine.engine import Engine
+from model.engine.builder import build_engine
 from model.engine.host_memory import keep_freed_memory
 from tests.support.paths import REPO
-Engine("transformer-base", EngineConfig(num_kv_blocks=8), device="cpu")
+build_engine("transformer-base", EngineConfig(num_kv_blocks=8), device="cpu")
 def step(i):
     xs = [torch.empty((mib << 18) + 1000 * j).fill_(1.0) for j, mib in enumerate(SIZES_MIB[: 1 + i % 4])]
 def rss():

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from model.config import EngineConfig
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 from model.layers.lora import LoraBatch
 from model.loading.lora import LoraError, LoraNotFoundError, load_adapter
@@ -77,7 +78,7 @@ def ckpts(tmp_path_factory):
 
 def _engine(base: Path, **lora) -> Engine:
     config = EngineConfig(block_size=8, num_kv_blocks=64, max_num_seqs=8, **lora)
-    return Engine(str(base), config, device="cpu", dtype="float32")
+    return build_engine(str(base), config, device="cpu", dtype="float32")
 
 
 def _run(engine: Engine, requests: list[tuple[list[int], str | None]], max_tokens: int = TOKENS) -> list[dict]:

@@ -10,7 +10,7 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine.engine import Engine
+from model.engine.builder import build_engine
 
 KV_BYTES = 32 << 20
 SYSTEM = list(b"You are a careful assistant. Answer briefly and never make things up. ")  # 70 tokens
@@ -73,7 +73,7 @@ def test_forced_preemption_with_caching_gives_the_same_outputs(reference) -> Non
 def test_aborts_in_the_middle_leave_the_others_unchanged_and_the_pool_full(reference) -> None:
     model, ref = reference
     prompts, params = workload()
-    engine = Engine(model, EngineConfig(kv_cache_bytes=KV_BYTES, max_num_batched_tokens=48))
+    engine = build_engine(model, EngineConfig(kv_cache_bytes=KV_BYTES, max_num_batched_tokens=48))
     tokens: dict[str, list[int]] = {}
     for i in range(4):
         engine.add_request(str(i), prompts[i], params[i])

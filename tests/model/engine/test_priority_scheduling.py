@@ -11,7 +11,7 @@ import pytest
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from model.engine.engine import Engine
+from model.engine.builder import build_engine
 from model.engine.kv.block_manager import BlockManager
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import SeqStatus, Sequence
@@ -262,7 +262,7 @@ def test_engine_config_rejects_bad_scheduling_settings(changes, message) -> None
 
 
 def test_fcfs_engine_rejects_a_priority_and_priority_engine_stores_it() -> None:
-    fcfs = Engine(MODEL, EngineConfig(num_kv_blocks=8))
+    fcfs = build_engine(MODEL, EngineConfig(num_kv_blocks=8))
     params = SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match="priority scheduling is not enabled: start the engine with "
                                          "scheduling_policy='priority'"):
@@ -274,7 +274,7 @@ def test_fcfs_engine_rejects_a_priority_and_priority_engine_stores_it() -> None:
     assert fcfs.scheduler.waiting[0].tenant == "t"
     with pytest.raises(ValueError, match="priority must be an integer"):
         fcfs.add_request("z", [1, 2], params, priority=1.5)
-    prio = Engine(MODEL, EngineConfig(num_kv_blocks=8, scheduling_policy="priority"))
+    prio = build_engine(MODEL, EngineConfig(num_kv_blocks=8, scheduling_policy="priority"))
     prio.add_request("neg", [1, 2], params, arrival_time=123.0, priority=-3, tenant="acme")
     q = prio.scheduler.waiting[0]
     assert (q.priority, q.tenant, q.arrival_time) == (-3, "acme", 123.0)
@@ -291,7 +291,7 @@ def test_a_high_priority_arrival_preempts_and_every_output_equals_running_alone(
     # Repeating prompts give the ngram proposer something to find.
     prompts = {name: [rng.randrange(256) for _ in range(10)] * 4 for name in ("low0", "low1", "high")}
     lengths = {"low0": 40, "low1": 40, "high": 24}
-    engine = Engine(MODEL, EngineConfig(num_kv_blocks=10, block_size=16, scheduling_policy="priority",
+    engine = build_engine(MODEL, EngineConfig(num_kv_blocks=10, block_size=16, scheduling_policy="priority",
                                         speculative_config=spec))
     tokens: dict[str, list[int]] = {name: [] for name in prompts}
     finished: list[str] = []

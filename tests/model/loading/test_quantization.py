@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig, ModelConfig
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 from model.layers.linear.kernel import int8_path, quant_matmul_q8
 from model.layers.linear.quantized import QuantizedLinear
@@ -285,7 +286,7 @@ def test_the_engine_quantizes_the_head_as_configured(setting, bits, llama_dir) -
     """int4 layers on the CPU: the head in int8 by default (auto), in int4 with true, float with
     false; its logits stay within the int8 head's error of the float head's."""
     def engine(head: object) -> Engine:
-        return Engine(str(llama_dir), EngineConfig(quantization="int4", quantization_group_size=32, num_kv_blocks=16,
+        return build_engine(str(llama_dir), EngineConfig(quantization="int4", quantization_group_size=32, num_kv_blocks=16,
                                                    quantize_lm_head=head), device="cpu")
 
     net = engine(setting).runner.model
@@ -516,7 +517,7 @@ def test_service_serves_int8_and_says_so(llama_dir) -> None:
     args = AppArgs(model=str(llama_dir), quantization="int4", quantization_group_size=64, quantize_lm_head=True)
     config = EngineConfig(**args.engine_config())  # the app's arguments reach the engine's config
     assert (config.quantization, config.quantization_group_size, config.quantize_lm_head) == ("int4", 64, True)
-    engine = Engine(str(llama_dir), EngineConfig(quantization="int8", num_kv_blocks=64), device="cpu")
+    engine = build_engine(str(llama_dir), EngineConfig(quantization="int8", num_kv_blocks=64), device="cpu")
     expected = LLM(str(llama_dir), device="cpu", quantization="int8").generate([[1, 2, 3]], SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model.config import EngineConfig
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 from model.inspect.attention_spec import AttentionSpec
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
@@ -125,7 +126,7 @@ def _run(engine: Engine, requests: dict[str, tuple[list[int], object]], params: 
 
 
 def test_prefix_cache_keys_images_by_pixels(vl_dir: Path, hf_model) -> None:
-    engine = Engine(str(vl_dir), EngineConfig(enable_prefix_caching=True, block_size=4), dtype="float32")
+    engine = build_engine(str(vl_dir), EngineConfig(enable_prefix_caching=True, block_size=4), dtype="float32")
     first, second = random_image(20, 112, 112), random_image(21, 112, 112)  # same size: the same token ids
     ids, mm = engine.process_images(PROMPT_1, [first])
     ids_b, mm_b = engine.process_images(PROMPT_1, [second])
@@ -150,7 +151,7 @@ def test_chunked_and_preempted_match_alone(vl_dir: Path, llm: LLM) -> None:
              for rid, p in zip(reqs, pics)}
     # Prefill chunks of 8 tokens cut through the images; 20 blocks of 4 tokens hold one or two of
     # the four requests, so the others wait or are preempted and recomputed.
-    engine = Engine(str(vl_dir), EngineConfig(max_num_batched_tokens=8, block_size=4, num_kv_blocks=20,
+    engine = build_engine(str(vl_dir), EngineConfig(max_num_batched_tokens=8, block_size=4, num_kv_blocks=20,
                                               enable_prefix_caching=False), dtype="float32")
     got = _run(engine, reqs)
     assert {rid: toks for rid, (toks, _) in got.items()} == alone
@@ -160,7 +161,7 @@ def test_chunked_and_preempted_match_alone(vl_dir: Path, llm: LLM) -> None:
 
 
 def test_encoder_runs_once_per_image(vl_dir: Path) -> None:
-    engine = Engine(str(vl_dir), EngineConfig(enable_prefix_caching=False), dtype="float32")
+    engine = build_engine(str(vl_dir), EngineConfig(enable_prefix_caching=False), dtype="float32")
     pic = random_image(40)
     reqs = {f"r{i}": engine.process_images(PROMPT_1, [pic]) for i in range(3)}
     outs = _run(engine, reqs)
@@ -243,7 +244,7 @@ def test_the_encoders_totals_reach_the_services_counters(vl_dir: Path) -> None:
     from service.engine.metrics import EngineMetrics
     from tests.support.in_process import recorded_counters
 
-    engine = Engine(str(vl_dir), EngineConfig(enable_prefix_caching=False), dtype="float32")
+    engine = build_engine(str(vl_dir), EngineConfig(enable_prefix_caching=False), dtype="float32")
     _run(engine, {f"r{i}": engine.process_images(PROMPT_1, [random_image(80 + i % 2)]) for i in range(3)})
     st = engine.stats()
     assert (st.mm_images_encoded, st.mm_encoder_cache_hits) == (2, 1) and st.mm_encoder_seconds > 0

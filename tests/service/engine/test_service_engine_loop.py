@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from model.config import EngineConfig
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 from model.sampling.params import SamplingParams
 from service.engine.admission import AdmissionGate, admission_capacity
@@ -23,7 +24,7 @@ from tests.support.polling import wait_until_async
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_position=2048)
-    return Engine(str(ckpt), EngineConfig(max_num_seqs=4, num_kv_blocks=256))
+    return build_engine(str(ckpt), EngineConfig(max_num_seqs=4, num_kv_blocks=256))
 
 
 async def _collect(sink: Any, ids: set[str]) -> tuple[dict[str, list[Any]], EngineFailure | None]:
@@ -335,7 +336,7 @@ omp_get_max_threads = ctypes.CDLL(gomp).omp_get_max_threads
 
 
 async def main() -> None:
-    loop = EngineLoop(Engine(sys.argv[1], EngineConfig(max_num_seqs=1, num_kv_blocks=8)))
+    loop = EngineLoop(build_engine(sys.argv[1], EngineConfig(max_num_seqs=1, num_kv_blocks=8)))
     loop.start()
     try:
         print(await asyncio.wait_for(loop.run_between_steps(omp_get_max_threads), 60))

@@ -63,9 +63,9 @@ def llm(vl_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def engine(vl_dir: Path) -> Any:
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
 
-    return Engine(str(vl_dir), EngineConfig(num_kv_blocks=128, max_num_seqs=4, max_model_len=MAX_MODEL_LEN),
+    return build_engine(str(vl_dir), EngineConfig(num_kv_blocks=128, max_num_seqs=4, max_model_len=MAX_MODEL_LEN),
                   device="cpu", dtype="float32")
 
 

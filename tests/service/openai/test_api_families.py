@@ -28,7 +28,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from tokenizers import Tokenizer
 
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
 
     directory = tmp_path_factory.mktemp("families") / "tiny"
     write_chat_tokenizer(directory, "qwen2.5", vocab_size=400)
@@ -37,7 +37,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
                      max_position_embeddings=512, eos_token_id=tok.token_to_id("<|im_end|>"))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos_ids(directory,
                                                                                                     "qwen2.5")}))
-    return Engine(str(directory), EngineConfig(num_kv_blocks=128, max_num_seqs=4), device="cpu", dtype="float32")
+    return build_engine(str(directory), EngineConfig(num_kv_blocks=128, max_num_seqs=4), device="cpu", dtype="float32")
 
 
 async def _texts(app: Any) -> dict[str, str]:

@@ -22,6 +22,7 @@ import torch
 
 from model.config import EngineConfig
 from model.engine.embedder import shorten
+from model.engine.builder import build_engine
 from model.engine.engine import Engine
 from model.loading.pooling_config import PoolingConfig, read_pooling_config
 from model.sampling.request_checks import RequestError
@@ -73,7 +74,7 @@ def _reference(directory: Path, texts: list[str]) -> torch.Tensor:
 
 
 def _ours(directory: Path, texts: list[str]) -> torch.Tensor:
-    engine = Engine(str(directory), EngineConfig(num_kv_blocks=16), device="cpu", dtype="float32")
+    engine = build_engine(str(directory), EngineConfig(num_kv_blocks=16), device="cpu", dtype="float32")
     ids = [engine.tokenizer.encode(t, True) for t in texts]
     return torch.stack(engine.embedder.embed(ids))
 
@@ -120,7 +121,7 @@ def test_gpt2_checkpoint_embeds_with_mean_pooling_like_transformers(tmp_path: Pa
     prompts = [[5, 17, 33, 2], [250, 9], list(range(40, 90))]
     with torch.no_grad():
         want = torch.stack([hf.transformer(torch.tensor([p])).last_hidden_state[0].mean(0) for p in prompts])
-    engine = Engine(str(tmp_path), EngineConfig(num_kv_blocks=16), device="cpu", dtype="float32")
+    engine = build_engine(str(tmp_path), EngineConfig(num_kv_blocks=16), device="cpu", dtype="float32")
     assert engine.embedder.pooling == PoolingConfig("mean", False, HIDDEN)
     torch.testing.assert_close(torch.stack(engine.embedder.embed(prompts)), want, atol=1e-4, rtol=0)
 
@@ -158,7 +159,7 @@ def _edge(directory: Path, body_limit: int = 1 << 20, capacity: int = -1, api_ke
     from service.http.engine_call import OverloadPolicy
     from service.server.api import IngressSettings
 
-    engine = Engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
+    engine = build_engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
 
     class _Ctx:
         async def __aenter__(self) -> tuple[httpx.AsyncClient, Engine]:
@@ -324,7 +325,7 @@ def test_openai_client_float_base64_lists_token_ids(service: str, last_dir: Path
     assert floats.object == "list" and floats.model == "tiny-embed"
     assert [d.index for d in floats.data] == [0, 1, 2] and all(d.object == "embedding" for d in floats.data)
     torch.testing.assert_close(torch.tensor([d.embedding for d in floats.data]), ref, atol=1e-4, rtol=0)
-    engine_tok = Engine(str(last_dir), EngineConfig(num_kv_blocks=4), device="cpu").tokenizer
+    engine_tok = build_engine(str(last_dir), EngineConfig(num_kv_blocks=4), device="cpu").tokenizer
     ids = [engine_tok.encode(t, True) for t in TEXTS]
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
     # The client's default asks for base64 and decodes it; the raw body is little-endian float32.

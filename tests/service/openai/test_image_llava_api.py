@@ -63,7 +63,7 @@ def hf_prompt(directory: Path) -> list[int]:
 
 def test_chat_and_attention_over_an_image_equal_the_offline_engine(llava_dir: Path) -> None:
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
     from model.llm import LLM
     from model.sampling.params import SamplingParams
 
@@ -73,7 +73,7 @@ def test_chat_and_attention_over_an_image_equal_the_offline_engine(llava_dir: Pa
     want = offline.generate({"prompt": prompt, "multi_modal_data": {"image": PICTURE}},
                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0))[0]
     maps = offline.attention_maps({"prompt": prompt, "multi_modal_data": {"image": PICTURE}}, layers=[1], rows="last")
-    engine = Engine(str(llava_dir), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
+    engine = build_engine(str(llava_dir), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
 
     async def run() -> tuple[Any, dict[str, Any]]:
         async with edge_app(engine, MODEL) as app, \

@@ -271,9 +271,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Any:
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
 
-    return Engine(str(checkpoint), EngineConfig(num_kv_blocks=256, max_num_seqs=4), device="cpu", dtype="float32")
+    return build_engine(str(checkpoint), EngineConfig(num_kv_blocks=256, max_num_seqs=4), device="cpu", dtype="float32")
 
 
 Check = Callable[[openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[None]]

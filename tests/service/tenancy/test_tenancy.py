@@ -143,10 +143,10 @@ def test_concurrency_is_held_by_leases_and_freed_when_a_replica_stops_reporting(
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
 
     directory = write_tiny_llama(tmp_path_factory.mktemp("tenancy") / "tiny", vocab_size=300)
-    return Engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
+    return build_engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
 
 
 class TenantCounts:
@@ -301,10 +301,10 @@ def test_an_allowance_is_reserved_until_it_lapses() -> None:
 
 def test_priorities_reach_the_engine_from_the_request_or_the_tenant(tmp_path: Path) -> None:
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
 
     directory = write_tiny_llama(tmp_path / "tiny", vocab_size=300)
-    engine = Engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4, scheduling_policy="priority"),
+    engine = build_engine(str(directory), EngineConfig(num_kv_blocks=64, max_num_seqs=4, scheduling_policy="priority"),
                     device="cpu", dtype="float32")
     seen: list[tuple[int, str | None]] = []
     add = engine.add_request
