@@ -11,7 +11,7 @@ Weighted scenarios (Locust tags in brackets, for `--tags` / `--exclude-tags`):
 Each user sends its next request as soon as the last one finished (closed loop), so `-u` is
 the concurrency. Options (each also an environment variable): --model, --short-prompt-words,
 --long-prompt-words, --short-max-tokens, --long-max-tokens, --ignore-eos, --api-key,
---request-timeout, --records-file (JSON lines, one per request, read by load_report.py).
+--request-timeout, --records-file (JSON lines, one per request, read by tools/load_report.py).
 
 Locust entries: `POST <scenario>` is the whole request (end-to-end time; its "size" column
 counts completion tokens from `usage`); `TTFT`, `ITL` (one sample per gap between streamed
@@ -24,13 +24,18 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import time
+from pathlib import Path
 from typing import IO, Any
 
 from locust import HttpUser, constant, events, tag, task
 from locust.env import Environment
 
-from openai_workload import RequestResult, Scenario, StreamError, build_payload, make_prompt, read_json, read_stream
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtests.lib.openai_workload import (RequestResult, Scenario, StreamError, build_payload,  # noqa: E402
+                                           make_prompt, read_json, read_stream)
 
 logger = logging.getLogger(__name__)
 

@@ -17,15 +17,18 @@ against steps and wall time per step. Prints a table, writes JSON and a plot.
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from model.config import ModelConfig
-from model.training.train import TrainConfig, train
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loadtests.lib.results import write_json  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.training.train import TrainConfig, train  # noqa: E402
 
 # name -> (attention kind, scale scores by 1/sqrt(d_k), number of heads); d_model is fixed.
 RUNS = {
@@ -75,7 +78,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"train_config": cfg.__dict__ | {"betas": list(cfg.betas)}, "d_model": args.d_model, "layers": args.layers,
             "corpus_bytes": len(text), "tokens_per_run": args.steps * args.batch_size * args.seq_len}
-    (out / "claims.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=2) + "\n")
+    write_json(out / "claims.json", {"meta": meta, "runs": results})
     print_table(results)
     plot(results, out / "claims.png")
 

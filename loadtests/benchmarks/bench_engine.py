@@ -2,7 +2,7 @@
 
 Everything in one run, on the same random weights: GPT-2-small-shaped (124M parameters,
 the default) or, with `--model qwen2.5-0.5b-shape`, Qwen2.5-0.5B-shaped (494M, GQA 14:2,
-tied head, saved in bf16 by loadtests/tools/random_checkpoint.py):
+tied head, saved in bf16 by loadtests/lib/checkpoints.py):
 - workload: N requests, prompts 32-256 tokens, max_tokens uniform in 16-256, greedy, ignore_eos;
 - baseline: HF `generate()` in static batches of 16 with left padding, each batch running
   to its longest request (how one serves without an engine). It runs first, before the engine
@@ -13,7 +13,7 @@ tied head, saved in bf16 by loadtests/tools/random_checkpoint.py):
 - batch-1 decode tokens/s;
 - roofline: measured matmul GFLOP/s and memory GB/s, and the fraction the engine reaches;
 - the share of a batch-64 decode step (context ~270) spent in attention over the paged cache
-  (torch.profiler, `profile_step.py`), through the fused kernel and through the gather path.
+  (torch.profiler, loadtests/lib/step_profile.py), through the fused kernel and through the gather path.
 
     .venv/bin/python loadtests/benchmarks/bench_engine.py [--requests 64] [--out docs/results/bench_engine.json]
     .venv/bin/python loadtests/benchmarks/bench_engine.py --model qwen2.5-0.5b-shape --requests 16 --no-extras
@@ -21,8 +21,8 @@ tied head, saved in bf16 by loadtests/tools/random_checkpoint.py):
     .venv/bin/python loadtests/benchmarks/bench_engine.py --model gemma3-1b-shape --requests 8 --hf-batch 8 --max-new-tokens 48 --no-extras
 
 A mixture-of-experts shape (`qwen3-moe-1b-shape`: 1.18B parameters, 64 experts of 256, top-8,
-written by transformers in bf16, loadtests/benchmarks/moe_load_memory.py) adds a torch.profiler breakdown
-of a batch-16 decode step of the MoE layer (loadtests/profilers/profile_moe.py); the bandwidth and
+written by transformers in bf16, loadtests/lib/checkpoints.py) adds a torch.profiler breakdown
+of a batch-16 decode step of the MoE layer (loadtests/lib/moe_profile.py); the bandwidth and
 compute fractions count the weights a token uses (its top-k experts), not all of them.
 
 `--no-extras` runs only the workload (engine and HF) and batch-1 decode.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import tempfile
 import time
@@ -42,31 +41,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from loadtests.lib.checkpoints import MOE_SHAPES, PRESET, SHAPES, checkpoint  # noqa: E402
+from loadtests.lib.engine_steps import decode_rate, set_backend  # noqa: E402
+from loadtests.lib.moe_profile import print_moe_profile, profile_moe_decode  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.rooflines import copy_bandwidth_gbs, matmul_gflops, sync  # noqa: E402
+from loadtests.lib.step_profile import profile_decode  # noqa: E402
+from loadtests.lib.workloads import workload  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.loading.checkpoint import load_config, save_model  # noqa: E402
-from model.loading.loading import build_preset, resolve_device  # noqa: E402
-from loadtests.benchmarks.moe_load_memory import SHAPES as MOE_SHAPES  # noqa: E402
-from loadtests.benchmarks.moe_load_memory import write_checkpoint as write_moe_checkpoint  # noqa: E402
-from loadtests.profilers.profile_moe import print_moe_profile, profile_moe_decode  # noqa: E402
-from loadtests.profilers.profile_step import profile_decode, set_backend  # noqa: E402
-from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
-from loadtests.tools.results import copy_bandwidth_gbs, matmul_gflops  # noqa: E402
-
-PRESET = "gpt2-small-random"
-
-
-def workload(n: int, seed: int, vocab: int, max_new: int = 256) -> tuple[list[list[int]], list[int]]:
-    """`n` prompts of 32-256 random tokens, each asking for 16-`max_new` tokens (uniform)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
-    return prompts, [rng.randint(min(16, max_new), max_new) for _ in range(n)]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+from model.loading.checkpoint import load_config  # noqa: E402
+from model.loading.loading import resolve_device  # noqa: E402
 
 
 def run_hf(path: str, prompts: list[list[int]], max_tokens: list[int], batch: int,
@@ -98,37 +83,6 @@ def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dic
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == sum(max_tokens), "the engine did not produce every requested token"
     return {"seconds": secs, "output_tokens": produced, "tokens_per_s": produced / secs}
-
-
-def decode_rate(llm: LLM, batch: int, vocab: int, steps: int = 32) -> float:
-    """Steady-state decode tokens/s with `batch` sequences of 128-token prompts."""
-    engine = llm.engine
-    rng = random.Random(batch)
-    for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", [rng.randrange(vocab) for _ in range(128)],
-                           SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
-    while any(r.seq.num_computed_tokens < 128 for r in engine._requests.values()):
-        engine.step()  # prefill
-    sync(engine.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(engine.device)
-    secs = time.perf_counter() - t0
-    while engine.has_unfinished():
-        engine.step()
-    return batch * steps / secs
-
-
-def checkpoint(model: str, directory: str) -> None:
-    """The benchmark's weights, written to `directory`: the GPT-2 preset, or a random
-    Llama-family checkpoint of a real model's shape (bf16 on disk)."""
-    if model == PRESET:
-        save_model(build_preset(PRESET), directory)
-    elif model in MOE_SHAPES:
-        write_moe_checkpoint(Path(directory), model)
-    else:
-        write_random_checkpoint(directory, model, torch.bfloat16)
 
 
 def weight_bytes_read(net: torch.nn.Module, dtype: torch.dtype) -> int:

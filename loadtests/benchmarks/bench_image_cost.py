@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.config import VisionConfig  # noqa: E402
 from model.multimodal.processor import ImageProcessor  # noqa: E402
-from loadtests.tools.results import add_result_args, matmul_gflops, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.rooflines import matmul_gflops  # noqa: E402
 
 QWEN2_VL_TOWER = VisionConfig(kind="qwen2_vl", image_token_id=0, hidden_size=1280, depth=32, num_heads=16,
                               intermediate_size=5120, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)

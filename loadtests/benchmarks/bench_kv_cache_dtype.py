@@ -29,8 +29,8 @@ from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk  # noqa: E
 from model.layers.paged_attention import paged_decode_attention, use_fused  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
-from loadtests.profilers.profile_step import profile_decode  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.step_profile import profile_decode  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 

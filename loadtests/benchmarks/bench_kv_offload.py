@@ -28,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.engine.block_manager import blocks_for  # noqa: E402
+from model.engine.kv.block_manager import blocks_for  # noqa: E402
 
 SETTINGS = ("pool", "host", "disk")
 
@@ -149,7 +149,7 @@ def main() -> None:
         write_result(args.out, "bench_kv_offload", columns, rows, note=args.note,
                      title="The prefix cache's offload tier: TTFT on shared prefixes 4x the pool, cost with no reuse",
                      raw={"model": args.model, "pool_blocks": pool_blocks, "tier_bytes": tier_bytes,
-                          "args": {k: v for k, v in vars(args).items() if k not in ("out", "note")},
+                          "args": {k: v for k, v in vars(args).items() if k not in ("out", "note", "allow_dirty")},
                           "shared_rounds": rounds, "no_reuse_rounds": unique_rounds})
 
 

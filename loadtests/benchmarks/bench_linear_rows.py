@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.layers.linear import dense  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 SHAPES = {"gpt2-small": (768, 3072, 12, 50257), "transformer-base": (512, 2048, 6, 0)}  # d_model, d_ff, N, head
 FORMS = ("F.linear", "transposed", "kernel")
@@ -64,17 +64,17 @@ def time_pass(fn, weights: list[tuple[torch.Tensor, torch.Tensor]], xs: dict[int
 
 def engine_steps(args) -> list[dict]:
     """Decode-step time of `args.engine` at each batch size, the transposed product off and on."""
-    from loadtests.profilers.profile_step import fill
+    from loadtests.lib.engine_steps import fill
 
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
     from model.engine.scheduler import ScheduledSeq
 
     forced = (dense.SMALL_ROWS_MIN, dense.SMALL_ROWS_MAX, dense.KERNEL_MAX_ROWS)
     rows = []
     print(f"{'batch':>5} " + " ".join(f"{f + ' ms':>14}" for f in FORMS))
     for b in args.rows:
-        eng = Engine(args.engine, EngineConfig(max_num_seqs=max(b, 8)), dtype="float32")
+        eng = build_engine(args.engine, EngineConfig(max_num_seqs=max(b, 8)), dtype="float32")
         fill(eng, b, 64, 96, eng.model_config.vocab_size)
         seqs = list(eng.scheduler.running)
         for s in seqs:  # the next token's block, as the scheduler would grow it

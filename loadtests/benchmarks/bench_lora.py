@@ -2,7 +2,7 @@
 same 16 rows on the base model alone, and the same 16 base rows on an engine with LoRA turned on
 (the wrappers' cost when no row uses an adapter).
 
-The base is a random checkpoint of a real shape (loadtests/tools/random_checkpoint.py); the adapters
+The base is a random checkpoint of a real shape (loadtests/lib/checkpoints.py); the adapters
 are random PEFT-format directories (adapter_config.json + adapter_model.safetensors, written
 here without `peft`) of rank `--rank` on q/k/v/o and the MLP. Each case: the 16 prompts of
 `--prompt` tokens admitted together, `--tokens` greedy tokens each; reported are the whole
@@ -28,10 +28,11 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.config import EngineConfig  # noqa: E402
+from model.engine.builder import build_engine
 from model.engine.engine import Engine  # noqa: E402
 from model.sampling.params import SamplingParams  # noqa: E402
-from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.checkpoints import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 ROWS, ADAPTERS = 16, 4
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,7 +115,7 @@ def main() -> None:
         }
         results = {}
         for label, (cfg, loras) in cases.items():
-            engine = Engine(str(base), cfg, device=args.device, dtype=args.dtype)
+            engine = build_engine(str(base), cfg, device=args.device, dtype=args.dtype)
             run_batch(engine, prompts[:2], loras[:2], 2)  # warm-up
             runs = [run_batch(engine, prompts, loras, args.tokens) for _ in range(args.repeats)]
             results[label] = max(runs, key=lambda r: r["tokens_per_s"])

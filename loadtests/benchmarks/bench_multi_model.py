@@ -1,5 +1,5 @@
 """What serving a model inside a multi-model app costs per token against serving it alone, in
-each of the multi-model layouts (service/multi_model.py), on one local Ray, on `bench_service.py`'s
+each of the multi-model layouts (service/app/multi.py), on one local Ray, on `bench_service.py`'s
 workload and client (streaming `/v1/completions` naming the model, closed loop at each
 `--concurrency`):
 
@@ -34,33 +34,33 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from loadtests.benchmarks import bench_service  # noqa: E402  (applies the serving settings before Ray Serve is imported)
-from loadtests.benchmarks.bench_service import (  # noqa: E402
-    SERVE_ENV, cpu_snapshot, cpu_used, requests_for, run_service, workload)
+
+from loadtests.lib.serve_env import apply_serving_env  # noqa: E402
+
+SERVE_ENV = apply_serving_env(sys.argv)  # before Ray Serve is imported
 
 import ray  # noqa: E402
 import requests  # noqa: E402
 from ray import serve  # noqa: E402
 
+from loadtests.lib.process_cpu import cpu_snapshot, cpu_used, service_role  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.streaming_clients import requests_for, run_service  # noqa: E402
+from loadtests.lib.workloads import workload  # noqa: E402
 from model.config import PRESETS  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
 
 HTTP_PORT = 18410
 FRONT = "multi-model front"
-ROUTER = "prefix router"  # bench_service's name for the PrefixRoute process
+ROUTER = "prefix router"  # process_cpu.service_role's name for the PrefixRoute process
 PATHS = {"direct": "direct (HAProxy -> replica)", "one deployment": "one deployment (HAProxy -> replica of the model)",
          "front": "front (HAProxy -> front -> replica)"}
-_role = bench_service.role
 
 
 def role(cmdline: str, name: str) -> str | None:
-    """bench_service's roles, and the front."""
-    return FRONT if "ModelRouter" in cmdline else _role(cmdline, name)
-
-
-bench_service.role = role  # cpu_snapshot looks the role up there
+    """The service's parts (loadtests/lib/process_cpu.py), and the front."""
+    return FRONT if "ModelRouter" in cmdline else service_role(cmdline, name)
 
 
 def tiny_checkpoint(directory: str) -> str:
@@ -92,9 +92,9 @@ def serve_and_measure(path: str, app_args: dict[str, Any],
     try:
         for c, (prompts, max_tokens) in loads.items():
             run_service(url, prompts[:2], [4, 4], 1, model="bench")  # warm the path (first request's set-up)
-            before, t0 = cpu_snapshot(), time.perf_counter()
+            before, t0 = cpu_snapshot(role), time.perf_counter()
             served = run_service(url, prompts, max_tokens, c, model="bench")
-            wall, after = time.perf_counter() - t0, cpu_snapshot()
+            wall, after = time.perf_counter() - t0, cpu_snapshot(role)
             served["cpu"] = cpu_used(before, after, served["output_tokens"], wall)
             out[c] = served
             print(f"{path}, {c} clients: {served['tokens_per_s']:.1f} tok/s, "

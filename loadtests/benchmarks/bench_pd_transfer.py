@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 
@@ -99,8 +99,8 @@ def pool_copy(args: argparse.Namespace) -> None:
     """The export and copy-in of 1,000 tokens of KV in an 8B-shaped pool on `args.device`."""
     import torch
 
-    from model.engine.kv_offload import PoolBlocks
-    from model.engine.kv_transfer import IncomingBlocks, KVBlocks
+    from model.engine.kv.offload import PoolBlocks
+    from model.engine.kv.transfer import IncomingBlocks, KVBlocks
 
     block, blocks = 16, -(-1000 // 16)
     dtype = torch.bfloat16

@@ -35,11 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.config import EngineConfig  # noqa: E402
 from model.config import PRESETS  # noqa: E402
+from model.engine.builder import build_engine
 from model.engine.engine import Engine  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
 from model.sampling.params import SamplingParams  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 VOCAB = 256  # byte ids; the byte tokenizer's EOS (256) is never drawn
 
@@ -136,7 +137,7 @@ def main() -> None:
         for caching in (False, True):
             config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=2 << 30,
                                   enable_prefix_caching=caching)
-            engine = Engine(tmp, config, device="cpu", dtype="float32")
+            engine = build_engine(tmp, config, device="cpu", dtype="float32")
             key = f"{name}_{'on' if caching else 'off'}"
             res[key] = workload(engine, args)
             print(f"{key}: {json.dumps({k: round(v, 4) for k, v in res[key].items()})}", flush=True)

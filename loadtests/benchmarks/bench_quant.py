@@ -1,12 +1,12 @@
 """What weight-only quantization gains in speed and memory, against float32, in one run.
 
 For each shape (GPT-2-small, the preset with random weights; Qwen2.5-0.5B, a random checkpoint
-in bf16 written by loadtests/tools/random_checkpoint.py) and each scheme (`none`, `int8`, `int4` at
+in bf16 written by loadtests/lib/checkpoints.py) and each scheme (`none`, `int8`, `int4` at
 `--group`, each with the LM head in float32 (`quantize_lm_head: false`), in int8 (`int8`, what
 `auto` picks on the CPU) and as the layers (`true`); a quantized head of the tied Qwen2.5 shape
 also makes the embedding table the quantized head's):
 
-- batch-1 and batch-16 decode tokens/s (steady state, 128-token prompts; bench_engine's decode_rate);
+- batch-1 and batch-16 decode tokens/s (steady state, 128-token prompts; loadtests/lib/engine_steps.py's decode_rate);
 - batch-1 prefill tokens/s (one `--prefill`-token prompt, time to its first token);
 - the weights' resident bytes (parameters and buffers) and their ratio to float32;
 - for checkpoint shapes, the peak RSS of a fresh process that only loads the model (the
@@ -30,20 +30,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtests.benchmarks.bench_engine import decode_rate  # noqa: E402
+from loadtests.lib.checkpoints import write_random_checkpoint  # noqa: E402
+from loadtests.lib.engine_steps import decode_rate  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
-from model.loading.quantize import resident_bytes  # noqa: E402
-from loadtests.tools.random_checkpoint import SHAPES, write_random_checkpoint  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from model.loading.quant.quantize import resident_bytes  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 PRESETS = {"gpt2-small": "gpt2-small-random"}  # shape name -> preset (random weights, built in memory)
-# --quick: tied like Qwen2.5, with widths that groups of 128 divide (the tiny Llama shape's 344 does not)
-QUICK_SHAPE = "tiny-qwen-shape"
-SHAPES.setdefault(QUICK_SHAPE, {**SHAPES["qwen2.5-0.5b-shape"], "hidden_size": 128, "intermediate_size": 384,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "vocab_size": 1024, "max_position_embeddings": 2048, "max_window_layers": 2,
-                                "bos_token_id": 1, "eos_token_id": 2})
+QUICK_SHAPE = "tiny-qwen-shape"  # --quick: tied like Qwen2.5, with widths that groups of 128 divide
 
 HEAD = {False: "float32", "int8": "int8", True: "as the layers"}  # quantize_lm_head -> the table's word
 
@@ -51,7 +46,7 @@ _PEAK = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from model.loading.loading import load_weights
-from model.loading.quantize import head_scheme, on_the_fly_scheme
+from model.loading.quant.quantize import head_scheme, on_the_fly_scheme
 scheme = on_the_fly_scheme({method!r}, {group})
 load_weights({path!r}, torch.float32, torch.device("cpu"), quantize=scheme,
              quantize_lm_head=head_scheme({head!r}, scheme, torch.device("cpu")) or False)

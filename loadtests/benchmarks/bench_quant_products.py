@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 from model.layers.linear.dense import kernel_available as dense_kernel, linear  # noqa: E402
 from model.layers.linear.kernel import int8_path, quant_matmul_q8  # noqa: E402
 from model.layers.linear.quantized import QuantizedLinear  # noqa: E402

@@ -1,7 +1,7 @@
 """The service end to end against the bare engine, in one run, on the same workload, with
 where the serving path's CPU goes.
 
-Workload: `bench_engine.py`'s (prompts of 32-256 token ids, max_tokens 16-256, greedy,
+Workload: the engine benchmarks' (loadtests/lib/workloads.py: prompts of 32-256 token ids, max_tokens 16-256, greedy,
 ignore_eos) on each `--model` (random weights: the paper's base Transformer, which runs as fast
 as `transformer-base-trained`, and the GPT-2-small shape by default), kept `--concurrency`
 requests in flight (closed loop; 1, 16 and 32 clients by default).
@@ -35,49 +35,30 @@ service/engine ratio is the median, with every round's ratio; every round is in 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-def _serving_env(argv: list[str]) -> dict[str, str]:
-    """Ray Serve reads its settings when it is imported: apply them first."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    try:
-        from service.launch import apply_serving_env
-    except ImportError:  # a checkout from before the serving path had its settings
-        apply_serving_env = None
-    for i, arg in enumerate(argv):
-        if arg == "--env":
-            for pair in argv[i + 1:]:
-                if pair.startswith("--"):
-                    break
-                key, _, value = pair.partition("=")
-                os.environ[key] = value
-    if apply_serving_env is not None:
-        apply_serving_env()
-    return {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
+from loadtests.lib.serve_env import apply_serving_env  # noqa: E402
 
-
-SERVE_ENV = _serving_env(sys.argv)
+SERVE_ENV = apply_serving_env(sys.argv)  # before Ray Serve is imported
 
 import psutil  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from loadtests.benchmarks.bench_engine import PRESET, workload  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
-
+from loadtests.lib.checkpoints import PRESET  # noqa: E402
+from loadtests.lib.process_cpu import cpu_snapshot, cpu_used  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.streaming_clients import percentiles, requests_for, run_service  # noqa: E402
+from loadtests.lib.workloads import workload  # noqa: E402
 from model.config import PRESETS, EngineConfig  # noqa: E402
+from model.engine.builder import build_engine
 from model.engine.engine import Engine  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
@@ -85,15 +66,6 @@ from model.sampling.params import SamplingParams  # noqa: E402
 from tests.support.local_serve import local_service  # noqa: E402
 
 HTTP_PORT = 18400
-STEP_THREAD = "qkv-step"  # service/engine/engine_loop.py names the step thread (and so its torch workers)
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p99": float("nan")}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": pick(0.50), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: list[int], concurrency: int) -> dict[str, Any]:
@@ -140,190 +112,10 @@ class BareEngine:
 
     def __init__(self, model_dir: str, config: EngineConfig, threads: int) -> None:
         torch.set_num_threads(threads)
-        self.engine = Engine(model_dir, config, device="cpu", dtype="float32")
+        self.engine = build_engine(model_dir, config, device="cpu", dtype="float32")
 
     def run(self, prompts: list[list[int]], max_tokens: list[int], concurrency: int) -> dict[str, Any]:
         return run_engine(self.engine, prompts, max_tokens, concurrency)
-
-
-class _Connection:
-    """One client's keep-alive HTTP/1.1 connection, reading a streamed response's chunks as they
-    come: a small client, so that the clients, which share the machine's cores with the service
-    (not with the bare engine), take as little of them as they can (httpx's line reader took
-    about as much CPU per token as the whole serving path)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._host, self._port = host, port
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-
-    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[str]:
-        """POST `body`; the SSE `data:` payloads of the answer as they arrive."""
-        raw = json.dumps(body).encode()
-        request = (f"POST {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw
-        for attempt in (1, 2):  # a kept-alive connection the server closed meanwhile: once more on a new one
-            if self._writer is None:
-                self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
-            self._writer.write(request)
-            reader = self._reader
-            status = (await reader.readline()).split(b" ", 2)
-            if len(status) > 1 or attempt == 2:
-                break
-            await self.close()
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode().partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if status[1] != b"200":
-            raise RuntimeError(f"HTTP {status[1].decode()}: {await reader.read(300)!r}")
-        if headers.get("transfer-encoding") != "chunked":
-            raise RuntimeError(f"expected a chunked stream, got headers {headers}")
-        pending = b""
-        while True:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                return
-            pending += data[:-2]
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                if event.startswith(b"data: "):
-                    yield event[6:].decode()
-
-    async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._reader = self._writer = None
-
-
-async def _one(conn: _Connection, prompt: list[int], max_tokens: int, model: str | None = None) -> dict[str, Any]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
-    sent = time.perf_counter()
-    chunk_times, usage = [], None
-    async for data in conn.stream("/v1/completions", body):
-        # Parsed only where needed (an error, the usage chunk): see `_Connection`.
-        if data == "[DONE]":
-            continue
-        if data.startswith('{"error"'):
-            raise RuntimeError(f"stream error: {data[:300]}")
-        if '"choices": []' not in data:
-            chunk_times.append(time.perf_counter())
-            continue
-        usage = json.loads(data).get("usage") or usage
-    return {"sent": sent, "chunks": chunk_times, "tokens": usage["completion_tokens"]}
-
-
-async def _clients(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                   model: str | None = None) -> list[dict]:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(prompts)):
-        queue.put_nowait(i)
-    results: list[dict] = []
-    host, port = url.split("://", 1)[1].rsplit(":", 1)
-
-    async def worker(conn: _Connection) -> None:
-        try:
-            while not queue.empty():
-                i = queue.get_nowait()
-                results.append(await _one(conn, prompts[i], max_tokens[i], model))
-        finally:
-            await conn.close()
-
-    warm = _Connection(host, int(port))
-    await _one(warm, prompts[0][:8], 4, model)  # warm-up
-    await warm.close()
-    await asyncio.gather(*(worker(_Connection(host, int(port))) for _ in range(concurrency)))
-    return results
-
-
-def run_service(url: str, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                model: str | None = None) -> dict[str, Any]:
-    """`concurrency` streaming clients over the prompts (each request naming `model`, if given)."""
-    t0 = time.perf_counter()
-    results = asyncio.run(_clients(url, prompts, max_tokens, concurrency, model))
-    secs = time.perf_counter() - t0
-    produced = sum(r["tokens"] for r in results)
-    assert produced == sum(max_tokens), "the service did not produce every requested token"
-    ttft = [r["chunks"][0] - r["sent"] for r in results]
-    itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
-    chunks = sum(len(r["chunks"]) for r in results)
-    # per request: (last chunk - first chunk) / (tokens - 1), however the tokens were grouped
-    tpots = [(r["chunks"][-1] - r["chunks"][0]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
-    return {"seconds": secs, "output_tokens": produced, "tokens_per_s": produced / secs,
-            "requests_per_s": len(prompts) / secs, "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
-            "tpot_s": percentiles(tpots), "tokens_per_chunk": produced / chunks}
-
-
-def role(cmdline: str, name: str) -> str | None:
-    """Which part of the service a process is, from its command line; None: not the service's."""
-    for marker, label in (("EngineDeployment", "engine replica"), ("PrefixRoute", "prefix router"),
-                          ("OpenAIIngress", "ingress replica"), ("ProxyActor", "Serve proxy (Python)"),
-                          ("HAProxyManager", "HAProxy manager (Python)"), ("BareEngine", None)):
-        if marker in cmdline:
-            return label
-    if name == "haproxy" or "/haproxy " in cmdline + " ":
-        return "HAProxy"
-    if any(m in cmdline for m in ("gcs_server", "raylet", "ServeController", "dashboard", "log_monitor",
-                                  "ray/_private", "monitor.py", "runtime_env", "default_worker")):
-        return "Ray's own"
-    return None
-
-
-def cpu_snapshot() -> dict[tuple[int, str], float]:
-    """(pid, part) -> CPU seconds so far of every service process; the engine replica's split
-    into "engine step" (threads named STEP_THREAD) and the rest."""
-    out: dict[tuple[int, str], float] = {}
-    me = os.getpid()
-    mine = psutil.Process(me).cpu_times()
-    out[(me, "benchmark clients")] = mine.user + mine.system  # this process: shown, never counted as serving
-    for p in psutil.process_iter(["cmdline", "name"]):
-        try:
-            if p.pid == me:
-                continue
-            part = role(" ".join(p.info["cmdline"] or []), p.info["name"] or "")
-            if part is None:
-                continue
-            times = p.cpu_times()
-            total = times.user + times.system
-            if part == "engine replica":
-                step = 0.0
-                for t in p.threads():
-                    try:
-                        comm = Path(f"/proc/{p.pid}/task/{t.id}/comm").read_text().strip()
-                    except OSError:
-                        continue
-                    if comm == STEP_THREAD:
-                        step += t.user_time + t.system_time
-                out[(p.pid, "engine step")] = step
-                total -= step
-            out[(p.pid, part)] = total
-        except (psutil.Error, OSError):
-            continue
-    return out
-
-
-def cpu_used(before: dict[tuple[int, str], float], after: dict[tuple[int, str], float],
-             tokens: int, wall: float) -> dict[str, Any]:
-    """CPU seconds per part over a run, in ms per generated token and share of a core."""
-    parts: dict[str, float] = {}
-    for key, value in after.items():
-        parts[key[1]] = parts.get(key[1], 0.0) + value - before.get(key, 0.0)
-    # The token path: what a request and its tokens pass through. Serve's Python proxy is on it
-    # only without HAProxy (with HAProxy it stays up as a fallback and health server); the
-    # HAProxy manager only configures HAProxy.
-    off_path = {"engine step", "Ray's own", "HAProxy manager (Python)", "benchmark clients"}
-    if "HAProxy" in parts:
-        off_path.add("Serve proxy (Python)")
-    parts["serving path"] = sum(v for k, v in parts.items() if k not in off_path)
-    return {name: {"cpu_s": v, "ms_per_token": 1000 * v / max(tokens, 1), "core_share": v / wall}
-            for name, v in parts.items()}
-
-
-def requests_for(concurrency: int, most: int) -> int:
-    """Requests per run: enough to keep `concurrency` clients busy a while, 8 to `most`."""
-    return min(most, max(8, 4 * concurrency))
 
 
 def table(res: dict[str, Any]) -> tuple[list[str], list[list[str]]]:

@@ -18,7 +18,7 @@ did before `model/layers/linear/dense.py`.
 
 `--backoff` runs the fresh workload at B = 1..16 with speculation never turned off, against plain
 decoding: the largest B where a method still pays is its default `disable_by_batch_size`
-(model/engine/spec_decode/config.py).
+(model/config/speculative.py).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig, ModelConfig  # noqa: E402
-from model.engine.engine import Engine  # noqa: E402
+from model.engine.builder import build_engine  # noqa: E402
 from model.engine.scheduler import ScheduledSeq  # noqa: E402
 from model.layers.linear import dense  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
-from loadtests.profilers.profile_step import fill  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.engine_steps import fill  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 # The default model (and the draft trained for it) learned 256-byte windows and held out the corpus's
 # tail: its last modules' pydoc text is what the workloads are cut from, and every prompt plus its
@@ -170,7 +170,7 @@ def backoff(args) -> list[dict]:
     """Speculation left on at every batch size (disable_by_batch_size above the largest) against
     plain decoding, on the fresh workload at B = --backoff-batch sizes: the speed-up per method and
     batch size. Speculation pays while it stays above 1; the largest B where a method still pays
-    is its default `disable_by_batch_size` (model/engine/spec_decode/config.py)."""
+    is its default `disable_by_batch_size` (model/config/speculative.py)."""
     args.disable_by_batch_size = max(args.backoff_batch)
     torch.set_num_threads(args.threads)
     llms = engines(args)
@@ -201,7 +201,7 @@ def verify_cost(args) -> list[dict]:
     forward and the sampling that checks the proposals) against a plain decode step, k = 1..8,
     in turn, median of --rounds x 5 timings each."""
     torch.set_num_threads(args.threads)
-    eng = Engine(args.model, EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 8}),
+    eng = build_engine(args.model, EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 8}),
                  dtype="float32")
     vocab = eng.model_config.vocab_size
     fill(eng, 1, 100, 60, vocab)

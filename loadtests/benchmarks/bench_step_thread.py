@@ -33,19 +33,23 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from loadtests.lib.results import write_json  # noqa: E402
+
 LAYOUTS = ("before", "set-only", "torch-thread")
 
 
 def child(args: argparse.Namespace) -> None:
     """One layout in this process; prints one JSON line."""
-    sys.path.insert(0, str(REPO))
     import psutil
     import torch
 
     from model.config import EngineConfig
+    from model.engine.builder import build_engine
     from model.engine.engine import Engine
     from model.engine.scheduler import ScheduledSeq
-    from loadtests.profilers.profile_step import fill
+    from loadtests.lib.engine_steps import fill
     from service.engine.engine_loop import TorchThread
 
     torch.set_num_threads(args.threads)
@@ -53,7 +57,7 @@ def child(args: argparse.Namespace) -> None:
         os.nice(15)
 
     def build() -> Engine:
-        eng = Engine(args.model, EngineConfig(max_num_seqs=max(args.batch, 8)), dtype="float32")
+        eng = build_engine(args.model, EngineConfig(max_num_seqs=max(args.batch, 8)), dtype="float32")
         fill(eng, args.batch, args.context, args.steps + 8, eng.model_config.vocab_size)
         return eng
 
@@ -150,7 +154,7 @@ def main() -> None:
         print(f"| {layout} | {ms:.1f} ms | {cores:.2f} | {statistics.median(ratios):.2f}x "
               f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rounds": rounds, "table": table}, indent=1))
+        write_json(args.out, {"args": vars(args), "rounds": rounds, "table": table})
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from model.config import EngineConfig, ModelConfig  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.models.transformer import Transformer  # noqa: E402
 from model.sampling.structured import StructuredOutputs, build_grammar  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 EOS = "<|endoftext|>"
 PERSON = {

@@ -43,7 +43,7 @@ apply_serving_env()  # before Ray Serve is imported: HAProxy in front of the rep
 
 import httpx  # noqa: E402
 
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 from service.tenancy.keys import Limits, hash_key  # noqa: E402
 
 HTTP_PORT = 18430
@@ -228,7 +228,7 @@ def main() -> None:
         model = str(write_tiny_checkpoint(Path(tmp) / "fair", max_position=512, d_model=args.d_model, n_heads=4,
                                           n_layers=4, d_ff=4 * args.d_model))
         res = {"first_come": run_mode(model, None, args), "tenants": run_mode(model, keys_file(Path(tmp)), args)}
-    res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "note")}
+    res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "note", "allow_dirty")}
     columns, rows = table(res)
     print(json.dumps(res, indent=1))
     print_table(columns, rows)

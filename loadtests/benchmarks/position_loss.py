@@ -11,7 +11,6 @@ and its draft learned 256-byte windows: past them their sinusoidal positions wer
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from loadtests.lib.results import write_json  # noqa: E402
 from model import LLM  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
 
@@ -59,7 +59,7 @@ def main() -> None:
         result[model] = spans
         print(model, ", ".join(f"positions {k}: {v:.2f} bits/byte" for k, v in spans.items()), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "bits_per_byte": result}, indent=2) + "\n")
+        write_json(args.out, {"args": vars(args), "bits_per_byte": result})
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.training.corpus import build, stdlib_modules  # noqa: E402
 from model.training.train import batch_loss  # noqa: E402
-from loadtests.tools.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 MODEL = "transformer-base-trained"
 SEQ = 256

@@ -9,11 +9,15 @@ blocks its table really holds after each step. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loadtests.lib.results import write_json  # noqa: E402
 
 
 def write_mistral(directory: Path, window: int, max_len: int) -> Path:
@@ -70,7 +74,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:10} {r['peak_blocks']:6d} {r['final_blocks']:6d} {r['mean_blocks']:8.1f} "
               f"{r['mistral_7b_peak_mib']:24.0f}")
-    Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    write_json(args.json, {"args": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

@@ -1,1 +1,2 @@
-"""torch.profiler breakdowns of engine steps (`profile_step`, `profile_moe`), also used by the benchmarks."""
+"""torch.profiler and py-spy breakdowns of engine steps and of the serving path (their shared
+parts are in loadtests/lib: step_profile, moe_profile)."""

@@ -30,9 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtests.benchmarks.bench_engine import PRESET as GPT2_PRESET, checkpoint  # noqa: E402
-from loadtests.benchmarks.bench_llama_cpp import Workload, engine_config  # noqa: E402
-from loadtests.tools.results import add_result_args, copy_bandwidth_gbs, print_table, write_result  # noqa: E402
+from loadtests.lib.checkpoints import PRESET as GPT2_PRESET, checkpoint  # noqa: E402
+from loadtests.lib.llama_cpp import Workload, engine_config  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.rooflines import copy_bandwidth_gbs  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.layers.linear.quantized import QuantizedLinear  # noqa: E402
 

@@ -25,16 +25,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from loadtests.benchmarks import bench_service  # noqa: E402  (applies the serving settings before Ray Serve is imported)
-from loadtests.benchmarks.bench_service import requests_for, run_service, workload  # noqa: E402
+
+from loadtests.lib.serve_env import apply_serving_env  # noqa: E402
+
+apply_serving_env([])  # before Ray Serve is imported
 
 import psutil  # noqa: E402
 
+from loadtests.lib.streaming_clients import requests_for, run_service  # noqa: E402
+from loadtests.lib.workloads import workload  # noqa: E402
 from model.config import PRESETS  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
-from tests.support.local_serve import local_service  # noqa: E402  (bench_service put tests/ on the path)
+from tests.support.local_serve import local_service  # noqa: E402
 
+HTTP_PORT = 18400  # bench_service.py's (the two never run at once)
 EVENT_LOOP = "AsyncIO Thread: default"
 _LINE = re.compile(r" \(([^)]*):\d+\)")
 
@@ -81,7 +86,7 @@ def main() -> None:
     service_args = {"model": tmp, "accelerator": "cpu", "dtype": "float32", "max_num_seqs": max(64, args.concurrency),
                     "engine_num_cpus": 1, "torch_threads": args.threads}
     raw_path = args.raw or str(Path(tmp) / "profile.raw")
-    with local_service(service_args, bench_service.HTTP_PORT, num_cpus=4) as url:
+    with local_service(service_args, HTTP_PORT, num_cpus=4) as url:
         run_service(url, prompts[:4], [8] * 4, 4)  # warm up
         served: dict = {}
         clients = threading.Thread(target=lambda: served.update(run_service(url, prompts, max_tokens, args.concurrency)))

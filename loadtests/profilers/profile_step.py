@@ -1,9 +1,6 @@
 """Per-op profile of steady-state decode steps (torch.profiler), and the share of a step spent
-in attention over the paged KV cache.
-
-`attention` is the time inside each layer's attention over the cache (the gather and SDPA, or
-the fused kernel); `kv write` is storing the step's K/V into the cache. Both are measured as
-record_function ranges around those calls, so they include every op they run.
+in attention over the paged KV cache (loadtests/lib/step_profile.py), at each batch and backend;
+and the profile of a batch-1 prefill.
 
     .venv/bin/python loadtests/profilers/profile_step.py [--batch 1,64] [--context 270] [--backend fused,gather]
         [--quantization int8|int4]
@@ -12,96 +9,26 @@ record_function ranges around those calls, so they include every op they run.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from loadtests.lib.engine_steps import set_backend  # noqa: E402
+from loadtests.lib.results import write_json  # noqa: E402
+from loadtests.lib.step_profile import RANGES, labelled_ranges, profile_decode  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.engine.engine import Engine  # noqa: E402
-from model.layers.kv_cache import KVCache  # noqa: E402
 from model.loading.checkpoint import save_model  # noqa: E402
 from model.loading.loading import build_preset  # noqa: E402
-
-RANGES = ("attention", "kv write")
-
-
-@contextlib.contextmanager
-def labelled_ranges() -> Iterator[None]:
-    """Wrap the attention-over-cache call and the cache write in named profiler ranges."""
-    import model.layers.attention as attention
-
-    owner = next(c for c in vars(attention).values() if isinstance(c, type) and hasattr(c, "_decode"))
-    saved = owner._decode, KVCache.update
-
-    def decode(self, *args, **kwargs):
-        with record_function("attention"):
-            return saved[0](self, *args, **kwargs)
-
-    def update(self, *args, **kwargs):
-        with record_function("kv write"):
-            return saved[1](self, *args, **kwargs)
-
-    owner._decode, KVCache.update = decode, update
-    try:
-        yield
-    finally:
-        owner._decode, KVCache.update = saved
-
-
-def fill(engine: Engine, batch: int, context: int, steps: int, vocab: int) -> None:
-    """`batch` sequences whose prompts are prefilled, each `context` tokens long."""
-    rng = random.Random(batch)
-    for i in range(batch):
-        engine.add_request(f"p{batch}-{i}-{time.monotonic_ns()}", [rng.randrange(vocab) for _ in range(context)],
-                           SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-    while any(r.seq.num_computed_tokens < context for r in engine._requests.values()):
-        engine.step()
-
-
-def set_backend(engine: Engine, backend: str) -> bool:
-    """Switch the runner between the fused kernel and the gather path; False where it has none."""
-    runner = engine.runner
-    if not hasattr(runner, "fused_decode"):
-        return backend == "gather"  # a runner that predates the kernel: the gather path only
-    runner.fused_decode = backend == "fused" and runner.fused_available
-    return runner.fused_decode == (backend == "fused")
-
-
-def profile_decode(engine: Engine, batch: int, context: int, steps: int = 8) -> dict:
-    """Profile `steps` decode steps of `batch` sequences at about `context` tokens."""
-    vocab = engine.model_config.vocab_size
-    fill(engine, batch, context, steps + 2, vocab)
-    engine.step()  # warm-up
-    with labelled_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = (time.perf_counter() - t0) / steps
-    while engine.has_unfinished():
-        engine.step()
-    events = prof.key_averages()
-    ranges = {e.key: e.cpu_time_total / steps / 1e3 for e in events if e.key in RANGES}
-    ops = sorted((e for e in events if e.key not in RANGES), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_self = sum(e.self_cpu_time_total for e in ops) / steps / 1e3
-    return {
-        "batch": batch, "context": context, "step_ms": wall * 1e3, "profiled_ms": total_self,
-        "attention_ms": ranges.get("attention", 0.0), "kv_write_ms": ranges.get("kv write", 0.0),
-        "attention_share": ranges.get("attention", 0.0) / total_self if total_self else 0.0,
-        "ops": [{"op": e.key, "self_ms": e.self_cpu_time_total / steps / 1e3, "calls": e.count // steps}
-                for e in ops[:12]],
-    }
 
 
 def profile_prefill(engine: Engine, length: int, repeats: int = 4) -> dict:
@@ -180,8 +107,7 @@ def main() -> None:
         results.append(r | {"kind": "prefill"})
     print(f"\n1-minute load average at start/end: {load:.2f} / {os.getloadavg()[0]:.2f} (2 cores), "
           f"{torch.get_num_threads()} torch threads")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"load_average_start_end": [load, os.getloadavg()[0]], "runs": results}, indent=2))
+    write_json(args.out, {"load_average_start_end": [load, os.getloadavg()[0]], "runs": results})
 
 
 if __name__ == "__main__":

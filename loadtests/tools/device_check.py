@@ -1,53 +1,44 @@
-"""The GPU device check: one command, the project and torch for CUDA only (no Ray, nothing from
-service/), about 5-8 minutes on an H200. Writes one JSON and prints one table.
+"""The GPU device check: the suite's GPU tests, then the decode throughput benchmark, in one
+command that needs the project and torch for CUDA only (no Ray, nothing from service/). Writes one
+JSON report (after each part: a run cut off keeps what it did) and prints one table.
 
     python loadtests/tools/device_check.py                   # on the GPU machine
     python loadtests/tools/device_check.py --dry-run         # the same sequence on the CPU, tiny shapes
 
-Checks, in order (each one's failure is recorded and the next still runs; what a check could not
-check, e.g. without `transformers` or past the time budget, is a failure, not a pass):
-1. parity: greedy tokens of tiny random Llama, Qwen3 and GPT-2 models (built here with
-   `transformers`, no downloads) from the engine against HF `generate` on the same device in
-   bfloat16; the paper's Transformer (no HF class) against its own dense no-cache forward.
-   In bf16 two correct implementations may part at a near-tie, so a difference passes only
-   when HF's top-two logits at that step are within `TIE`.
-2. batch invariance: a prompt alone and in a batch of 16 gives the same greedy tokens (float32).
-3. backends: the flex kernels (compiled on CUDA) against the engine's own gather path (ragged
-   decode, padded prefill chunks after a cached past in a row that owns block 0, block tables
-   with holes, GQA, windows, bf16/fp16 caches),
-   and the engine's greedy tokens with flex and gather.
-4. graphs: greedy tokens with CUDA graphs (enforce_eager off) and without, equal, and captured
-   (replayed, no fallback to eager) on CUDA.
-5. sampling: sampled requests (temperature, top-k/p, penalties, logit bias, min_tokens, logprobs,
-   seeds) on the device: each runs to its length, a -100 bias is never sampled, a seeded request
-   draws the same tokens alone and in a batch.
-6. prefix_cache: a prompt again (its full blocks cached) and prompts that share a prefix with short
-   tails (a short prefill chunk after a cached past, the padded flex path), equal to the same
-   requests with the prefix cache off.
-7. spec_decode: ngram and draft-model speculation, greedy, equal to plain decoding, with drafts
-   proposed.
-8. long_context: a long-context engine (flex, decode graphs, many sequences): no gather workspace
-   reserved for flex decode, and on CUDA the peak memory beyond the weights and the KV pool stays
-   small (the workspace alone was max_num_seqs x the context's blocks).
-9. throughput: a Llama-3.1-8B-shaped model with random bf16 weights decoding at batch 1, 64 and
+1. gpu_tests: `pytest -m gpu tests/gpu` in a subprocess: every correctness check on the device
+   (parity with HF transformers, batch invariance, the attention backends, CUDA graphs, sampling,
+   the prefix cache and its tiers, speculation, quantization, LoRA, vision) is a test there,
+   written once. The report keeps the counts (passed, failed, errors, skipped) and each test's
+   outcome; a run that passes no test (no CUDA, no transformers) fails. `--dry-run` runs them
+   with `--accel-device cpu`.
+2. throughput: a Llama-3.1-8B-shaped model with random bf16 weights decoding at batch 1, 64 and
    256 over a 2k context (distinct KV blocks per sequence, no prefix sharing), against the
    roofline (weight + KV bytes per step over 4.8 TB/s, FLOPs over 790 TFLOP/s) and against HF
-   `generate` on the same weights (its decode steps timed by a logits processor).
+   `generate` on the same weights (its decode steps timed by a logits processor); some decode
+   steps profiled (kernel time against wall time). What could not run (past `--budget-s`, no
+   transformers) fails the part rather than passing it.
+
+The report carries its provenance (loadtests/lib/provenance.py). The GPU machine's copy of the
+tree has no git history, so the report names no clean commit, but records its source digest:
+`--from REPORT ... --result docs/results/device_check.json` on a clean checkout whose source has
+the same digest writes the docs' result file with that checkout's commit.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import importlib.util
 import json
 import logging
 import platform
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -57,58 +48,43 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from loadtests.tools import results  # noqa: E402
+from loadtests.lib import provenance  # noqa: E402
+from loadtests.lib.checkpoints import SHAPES, write_random_checkpoint  # noqa: E402
+from loadtests.lib.result_schema import PROVENANCE_KEYS  # noqa: E402
+from loadtests.lib.results import RefusedResult, write_result  # noqa: E402
+from loadtests.lib.rooflines import sync  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
-from model.config import EngineConfig, ModelConfig  # noqa: E402
+from model.config import EngineConfig  # noqa: E402
 from model.engine.scheduler import ScheduledSeq  # noqa: E402
 from model.engine.sequence import Sequence  # noqa: E402
-from model.layers.attention import DotScore, PagedAttention  # noqa: E402
-from model.layers.flex_attention import FlexPagedAttention  # noqa: E402
-from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk  # noqa: E402
 from model.sampling.sampler import SamplingRow  # noqa: E402
 
 logger = logging.getLogger("device_check")
-TIE = 0.05  # bf16 near-tie: HF's top-two logits closer than this (relative to max(1, |top1|))
+GPU_TESTS = ROOT / "tests" / "gpu"
 HBM_BYTES_PER_S = 4.8e12  # H200
 PEAK_FLOPS = 790e12  # H200 dense bf16, about
+PARTS = ("gpu_tests", "throughput")
 
 
 @dataclass(frozen=True)
 class Sizes:
     device: str
     dtype: torch.dtype
-    parity_tokens: int
-    big: dict  # transformers LlamaConfig fields of the throughput model
+    shape: str  # the throughput model: a name of loadtests/lib/checkpoints.py's SHAPES
     batches: tuple[int, ...]
     context: int
     steps: int  # timed decode steps per batch
-    kernel_context: int  # longest context in the backend check
     block_size: int = 16
-    num_prompts: int = 4  # per engine run of the correctness checks
-    # (cache dtype, window): each case compiles three flex kernels (decode, two chunk lengths)
-    kernel_cases: tuple = ((torch.bfloat16, None), (torch.bfloat16, 64), (torch.float16, None))
-    graph_backends: tuple[str, ...] = ("flex", "gather")
     # (attention_backend, enforce_eager) of the engine's throughput runs; gather runs the first two batches
     throughput_configs: tuple = (("flex", False), ("gather", False))
     warm_steps: int = 3
-    long_context: int = 131072  # max_model_len of the long_context check (Llama-3.1's)
-    long_seqs: int = 64
 
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                rms_norm_eps=1e-5, tie_word_embeddings=False)
-TINY_BIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=301, max_position_embeddings=256, tie_word_embeddings=False)
-TINY_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=301)
-FULL = Sizes("cuda", torch.bfloat16, 16, LLAMA_8B, (1, 64, 256), 2048, 32, 2048)
+FULL = Sizes("cuda", torch.bfloat16, "llama3.1-8b-shape", (1, 64, 256), 2048, 32)
 # The dry run walks the same code with less of everything, in float32 (bf16 matmuls are slow on
-# CPUs without bf16 units; the backend check keeps its 16-bit caches), since FlexAttention's CPU
-# reference is traced afresh per shape, seconds each on a small machine.
-DRY = Sizes("cpu", torch.float32, 4, TINY_BIG, (1, 4), 48, 2, 40, block_size=16, num_prompts=4,
-            kernel_cases=((torch.float16, 8),), graph_backends=("auto",), warm_steps=1,
-            throughput_configs=(("auto", False),), long_context=1024, long_seqs=8)
+# CPUs without bf16 units).
+DRY = Sizes("cpu", torch.float32, "tiny-llama-shape", (1, 4), 48, 2, throughput_configs=(("auto", False),),
+            warm_steps=1)
 
 
 @dataclass
@@ -119,411 +95,65 @@ class Check:
     seconds: float = 0.0
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def free(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
 
 
-# ---- tiny checkpoints -------------------------------------------------------------------------
-
-def hf_config(arch: str, **overrides):
-    import transformers
-
-    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=301, max_position_embeddings=256, tie_word_embeddings=False,
-                bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.1)
-    if arch == "gpt2":
-        return transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=301, n_positions=256,
-                                       bos_token_id=None, eos_token_id=None, pad_token_id=0, **overrides)
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
-    if arch == "qwen3":
-        base.update(head_dim=32, sliding_window=None)
-    base.update(overrides)
-    return cls(**base)
-
-
-def write_hf(directory: Path, arch: str, dtype: torch.dtype, seed: int = 0, **overrides) -> Path:
-    """A random HF model of `arch` saved in `dtype` (norms and biases get noise too)."""
-    import transformers
-
-    config = hf_config(arch, **overrides)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or ".ln_" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.to(dtype).save_pretrained(directory)
-    return directory
-
-
-def write_llama(directory: Path, fields: dict, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> Path:
-    """A random LlamaForCausalLM checkpoint (HF's names and config.json) written without
-    `transformers`: tensors drawn on `device` (fast for 8B shapes on a GPU), saved as safetensors."""
-    from safetensors.torch import save_file
-
-    h, heads, kv = fields["hidden_size"], fields["num_attention_heads"], fields["num_key_value_heads"]
-    d, inter, vocab = h // heads, fields["intermediate_size"], fields["vocab_size"]
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype).cpu()
-
-    def norm() -> torch.Tensor:
-        return (1 + 0.1 * torch.randn(h, generator=g, device=device)).to(dtype).cpu()
-
-    tensors = {"model.embed_tokens.weight": normal(vocab, h), "model.norm.weight": norm()}
-    for i in range(fields["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-                    p + "self_attn.q_proj.weight": normal(heads * d, h), p + "self_attn.k_proj.weight": normal(kv * d, h),
-                    p + "self_attn.v_proj.weight": normal(kv * d, h), p + "self_attn.o_proj.weight": normal(h, heads * d),
-                    p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
-                    p + "mlp.down_proj.weight": normal(h, inter)}
-    if not fields.get("tie_word_embeddings", False):
-        tensors["lm_head.weight"] = normal(vocab, h)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-              "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "bos_token_id": None,
-              "eos_token_id": None, "pad_token_id": 0, "dtype": str(dtype).removeprefix("torch."), **fields}
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
-
-
 def have_transformers() -> bool:
     return importlib.util.find_spec("transformers") is not None
-
-
-def write_transformer(directory: Path, dtype: torch.dtype) -> Path:
-    """The paper's Transformer, tiny, saved in our format."""
-    from model.loading.checkpoint import save_model
-    from model.models.registry import build_model
-
-    net = build_model(ModelConfig(vocab_size=301, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_position=256))
-    net.init_weights(0)
-    save_model(net.to(dtype), directory)
-    return directory
-
-
-def prompts(n: int, vocab: int = 301, seed: int = 0, base: int = 5) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (base + 7 * i,), generator=g).tolist() for i in range(n)]
 
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-# ---- 1. parity --------------------------------------------------------------------------------
+# ---- 1. the GPU tests -------------------------------------------------------------------------
 
-def check_parity(s: Sizes, work: Path) -> Check:
-    check = Check("parity")
-    for arch in ("llama", "qwen3", "gpt2", "transformer"):
-        if arch != "transformer" and not have_transformers():
-            check.detail[arch] = {"ok": False, "equal": 0, "prompts": 0,
-                                  "not_checked": "transformers is not installed"}
-            check.status = "fail"
-            continue
-        directory = work / f"parity-{arch}"
-        if arch == "transformer":
-            write_transformer(directory, s.dtype)
-        else:
-            write_hf(directory, arch, s.dtype)
-        ps = prompts(s.num_prompts)
-        llm = LLM(str(directory), device=s.device, dtype=str(s.dtype).removeprefix("torch."))
-        ours = [o.token_ids for o in llm.generate(ps, greedy(s.parity_tokens))]
-        if arch == "transformer":  # no HF class: the dense, cache-free forward of the same weights
-            refs, logits = dense_greedy(llm.engine.runner.model, ps, s.parity_tokens, s.device)
-        else:
-            import transformers
-
-            hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=s.dtype).to(s.device).eval()
-            refs, logits = hf_greedy(hf, ps, s.parity_tokens, s.device)
-            del hf
-        rows = [compare_tokens(a, b, lg) for a, b, lg in zip(ours, refs, logits)]
-        ok = all(r["equal"] or r["near_tie"] for r in rows)
-        check.detail[arch] = {"ok": ok, "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows}
-        if not ok:
-            check.status = "fail"
-        del llm
-        free(s.device)
-    return check
+def run_gpu_tests(tests: Path, device: str, work: Path, extra: list[str], timeout_s: float) -> Check:
+    """`pytest -m gpu TESTS --accel-device DEVICE` in a subprocess (the tests' device memory stays
+    out of the benchmark's process); the counts and each test's outcome from its JUnit XML."""
+    xml = work / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "--accel-device", device, "-q",
+           "-p", "no:cacheprovider", f"--junitxml={xml}", *extra]
+    detail: dict = {"command": shlex.join(["python", *cmd[1:]])}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return Check("gpu_tests", "error", detail | {"error": f"pytest ran past {timeout_s:.0f} s",
+                                                     "output_tail": out[-3000:]})
+    detail["returncode"] = proc.returncode
+    if not xml.is_file():
+        return Check("gpu_tests", "error", detail | {"error": "pytest wrote no report",
+                                                     "output_tail": (proc.stdout + proc.stderr)[-3000:]})
+    detail |= junit_outcomes(xml)
+    ok = proc.returncode == 0 and detail["passed"] > 0  # nothing passed: nothing was checked
+    if not ok:
+        detail["output_tail"] = (proc.stdout + proc.stderr)[-3000:]
+    return Check("gpu_tests", "pass" if ok else "fail", detail)
 
 
-@torch.inference_mode()
-def hf_greedy(hf, ps: list[list[int]], n: int, device: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    toks, logits = [], []
-    for p in ps:
-        ids = torch.tensor([p], device=device)
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        toks.append(out.sequences[0, len(p):].tolist())
-        logits.append(torch.stack([x[0].float().cpu() for x in out.logits]))  # (n, vocab)
-    return toks, logits
+def junit_outcomes(xml: Path) -> dict:
+    """The counts of a pytest JUnit XML report (passed, failed, errors, skipped) and each test's
+    outcome, seconds and (for a test that did not pass) message."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    tests = []
+    for case in ElementTree.parse(xml).getroot().iter("testcase"):
+        outcome, message = "passed", None
+        for child, name in (("error", "errors"), ("failure", "failed"), ("skipped", "skipped")):
+            found = case.find(child)
+            if found is not None:
+                outcome, message = name, (found.get("message") or "")[:300]
+                break
+        counts[outcome] += 1
+        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": round(float(case.get("time") or 0.0), 2), **({"message": message} if message else {})})
+    return counts | {"tests": tests}
 
 
-@torch.inference_mode()
-def dense_greedy(net, ps: list[list[int]], n: int, device: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    toks, logits = [], []
-    for p in ps:
-        ids, steps = list(p), []
-        for _ in range(n):
-            row = net.forward_train(torch.tensor([ids], device=device))[0, -1].float().cpu()
-            steps.append(row)
-            ids.append(int(row.argmax()))
-        toks.append(ids[len(p):])
-        logits.append(torch.stack(steps))
-    return toks, logits
-
-
-def compare_tokens(ours: list[int], ref: list[int], ref_logits: torch.Tensor) -> dict:
-    """Equal, or where they first differ, whether the reference's top two logits were a near-tie."""
-    diff = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-    if diff is None:
-        return {"equal": len(ours) == len(ref), "near_tie": False, "first_diff": None}
-    top = ref_logits[diff].topk(2).values
-    margin = float(top[0] - top[1])
-    return {"equal": False, "first_diff": diff, "margin": round(margin, 5),
-            "near_tie": margin <= TIE * max(1.0, abs(float(top[0])))}
-
-
-# ---- 2. batch invariance ----------------------------------------------------------------------
-
-def check_batch_invariance(s: Sizes, work: Path) -> Check:
-    directory = write_llama(work / "invariance", TINY_LLAMA, torch.float32, seed=1)
-    llm = LLM(str(directory), device=s.device, dtype="float32", engine_config=EngineConfig(max_num_seqs=32))
-    needle, others = prompts(1, seed=9)[0], prompts(16, seed=10)
-    alone = llm.generate([needle], greedy(s.parity_tokens))[0].token_ids
-    batched = llm.generate(others[:8] + [needle] + others[8:], greedy(s.parity_tokens))[8].token_ids
-    del llm
-    free(s.device)
-    return Check("batch_invariance", "pass" if alone == batched else "fail", {"alone": alone, "batched": batched})
-
-
-# ---- 3. backends ------------------------------------------------------------------------------
-
-def check_backends(s: Sizes, work: Path) -> Check:
-    check = Check("backends")
-    hq, hkv, d = (32, 8, 128) if s.device == "cuda" else (4, 2, 16)
-    worst = {}
-    for dtype, window in s.kernel_cases:
-        worst[f"{str(dtype).removeprefix('torch.')}-window{window}"] = kernel_errors(s, dtype, window, hq, hkv, d)
-    tol = 2e-2
-    check.detail["max_abs_err"] = worst
-    check.detail["tolerance"] = tol
-    if max(max(e.values()) for e in worst.values()) > tol:
-        check.status = "fail"
-    directory = write_llama(work / "backends", TINY_LLAMA, torch.float32, seed=2)
-    tokens = {}
-    for backend in ("gather", "flex"):
-        llm = LLM(str(directory), device=s.device, dtype="float32", attention_backend=backend,
-                  engine_config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
-        tokens[backend] = [o.token_ids for o in llm.generate(prompts(s.num_prompts, seed=3), greedy(s.parity_tokens))]
-        del llm
-        free(s.device)
-    check.detail["engine_tokens_equal"] = tokens["gather"] == tokens["flex"]
-    if not check.detail["engine_tokens_equal"]:
-        check.status = "fail"
-    return check
-
-
-@torch.inference_mode()
-def kernel_errors(s: Sizes, dtype: torch.dtype, window: int | None, hq: int, hkv: int,
-                  d: int) -> dict:
-    """Flex decode and prefill against the engine's own gather path (PagedAttention with no kernels)
-    over a scattered pool -> max abs errors. The prefill row owns physical block 0 and two of its
-    contexts fill their blocks exactly, so a padded chunk (3 -> 4, 5 -> 8 queries) would list a
-    block past its table if the padding counted as context."""
-    bs, ctx = s.block_size, s.kernel_context
-    lens = [1, bs, bs + 1, ctx // 3, ctx - 5, ctx]
-    width = -(-ctx // bs)
-    num_blocks = len(lens) * width + 7
-    g = torch.Generator().manual_seed(0)
-    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
-    row = tables[-1]
-    if not bool((row == 0).any()):
-        row[len(row) // 2] = 0
-    tables = tables.to(s.device)
-    cache = KVCache(1, num_blocks, bs, hkv, d, dtype, s.device)
-    cache.keys[0].copy_(torch.randn(num_blocks, bs, hkv, d, generator=g))
-    cache.values[0].copy_(torch.randn(num_blocks, bs, hkv, d, generator=g))
-    attn = PagedAttention(0, d, DotScore(d), window=window)
-    flex = FlexPagedAttention(num_blocks, bs, s.device)
-    q = torch.randn(len(lens), hq, d, generator=g).to(s.device, dtype)
-    context = torch.tensor(lens, device=s.device)
-    flex.new_step()
-    got = flex.decode(q, cache.keys[0], cache.values[0], tables, context, attn.scale, window)
-    slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
-    meta = AttnMetadata(slot_mapping=torch.tensor(slots, device=s.device), num_decode=len(lens),
-                        decode_block_tables=tables, decode_context_lens=context, decode_max_context=max(lens))
-    errs = {"decode": _max_err(got, engine_gather(attn, q, meta, cache))}
-    for length, context_len in ((3, ctx - 2), (5, (ctx // bs) * bs), (16, (ctx // bs) * bs)):
-        qp = torch.randn(length, hq, d, generator=g).to(s.device, dtype)
-        flex.new_step()
-        got = flex.prefill(qp, cache.keys[0], cache.values[0], tables[-1], context_len, attn.scale, window)
-        slots = [int(tables[-1, p // bs]) * bs + p % bs for p in range(context_len - length, context_len)]
-        meta = AttnMetadata(slot_mapping=torch.tensor(slots, device=s.device), prefills=[
-            PrefillChunk(0, length, context_len, tables[-1])])
-        errs[f"prefill{length}-ctx{context_len}"] = _max_err(got, engine_gather(attn, qp, meta, cache))
-    return errs
-
-
-def engine_gather(attn: PagedAttention, q: torch.Tensor, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
-    """The engine's gather path for `meta`'s queries (no kernels in the metadata): the step writes
-    the K/V already in its slots, so the cache is unchanged."""
-    flat_k, flat_v = (c.view(-1, *c.shape[2:]) for c in (cache.keys[0], cache.values[0]))
-    return attn(q, flat_k[meta.slot_mapping], flat_v[meta.slot_mapping], meta, cache)
-
-
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
-
-
-# ---- 4. graphs --------------------------------------------------------------------------------
-
-def check_graphs(s: Sizes, work: Path) -> Check:
-    check = Check("graphs")
-    directory = write_llama(work / "graphs", TINY_LLAMA, s.dtype, seed=4)
-    dtype = str(s.dtype).removeprefix("torch.")
-    for backend in s.graph_backends:
-        runs = {}
-        for eager in (True, False):
-            llm = LLM(str(directory), device=s.device, dtype=dtype, enforce_eager=eager, attention_backend=backend,
-                      engine_config=EngineConfig(max_num_seqs=16))
-            n = s.num_prompts + 2
-            ps, params = prompts(n, seed=5), [greedy(4 + 2 * i) for i in range(n)]  # batches shrink n .. 1
-            runs[eager] = [o.token_ids for o in llm.generate(ps, params)]
-            graphs = llm.engine.runner.graphs
-            if graphs is not None:
-                check.detail[f"{backend}_static_steps"] = graphs.num_steps
-                check.detail[f"{backend}_replays"] = graphs.num_replays
-                check.detail[f"{backend}_captured_buckets"] = sorted(graphs._graphs)
-                check.detail[f"{backend}_eager_reason"] = graphs.eager_reason
-            del llm
-            free(s.device)
-        check.detail[f"{backend}_equal"] = runs[True] == runs[False]
-        if runs[True] != runs[False] or (s.device == "cuda" and not check.detail.get(f"{backend}_replays")):
-            check.status = "fail"
-    return check
-
-
-# ---- 5. sampling ------------------------------------------------------------------------------
-
-def check_sampling(s: Sizes, work: Path) -> Check:
-    directory = write_llama(work / "sampling", TINY_LLAMA, torch.float32, seed=6)
-    llm = LLM(str(directory), device=s.device, dtype="float32", engine_config=EngineConfig(max_num_seqs=16))
-    n = s.parity_tokens + 4
-    params = [
-        SamplingParams(max_tokens=n, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True, logprobs=3),
-        SamplingParams(max_tokens=n, temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5,
-                       repetition_penalty=1.3, logit_bias={7: -100.0}, ignore_eos=True),
-        SamplingParams(max_tokens=n, temperature=0.7, top_p=0.5, seed=11, ignore_eos=True, min_tokens=2),
-    ]
-    ps = prompts(3, seed=12)
-    outs = llm.generate(ps, params)
-    alone = llm.generate([ps[2]], params[2])[0].token_ids
-    detail = {"lengths": [len(o.token_ids) for o in outs], "biased_token_sampled": 7 in outs[1].token_ids,
-              "logprobs_ok": all(lp is not None and lp.logprob <= 0.0 and len(lp.top) == 3 for lp in outs[0].logprobs),
-              "seed_batch_invariant": alone == outs[2].token_ids}
-    ok = (detail["lengths"] == [n] * 3 and not detail["biased_token_sampled"] and detail["logprobs_ok"]
-          and detail["seed_batch_invariant"])
-    del llm
-    free(s.device)
-    return Check("sampling", "pass" if ok else "fail", detail)
-
-
-# ---- 6. prefix cache ----------------------------------------------------------------------------
-
-def check_prefix_cache(s: Sizes, work: Path) -> Check:
-    directory = write_llama(work / "prefix", TINY_LLAMA, torch.float32, seed=7)
-    base = prompts(1, seed=13, base=3 * s.block_size + 2)[0]
-    # The prompt again, then tails of 1, 3 and 5 tokens after its first two full blocks.
-    ps = [base, base] + [base[: 2 * s.block_size] + [11 + i] * (1 + 2 * i) for i in range(3)]
-    tokens, hits = {}, 0
-    for caching in (True, False):
-        llm = LLM(str(directory), device=s.device, dtype="float32",
-                  engine_config=EngineConfig(max_num_seqs=8, enable_prefix_caching=caching))
-        tokens[caching] = [llm.generate([p], greedy(s.parity_tokens))[0].token_ids for p in ps]
-        if caching:
-            hits = llm.engine.stats().prefix_cache_hits
-        del llm
-        free(s.device)
-    detail = {"equal": tokens[True] == tokens[False], "cached_tokens": hits}
-    ok = detail["equal"] and hits >= 4 * 2 * s.block_size
-    return Check("prefix_cache", "pass" if ok else "fail", detail)
-
-
-# ---- 7. speculative decoding ----------------------------------------------------------------------
-
-def check_spec_decode(s: Sizes, work: Path) -> Check:
-    directory = write_llama(work / "spec", TINY_LLAMA, torch.float32, seed=8)
-    draft = write_llama(work / "spec-draft", TINY_LLAMA, torch.float32, seed=9)
-    # repeats, so ngram finds matches; every prompt runs at once, so speculation must stay on past
-    # the default disable_by_batch_size (3 for ngram): the first GPU run proposed nothing
-    ps = [p[:9] * 3 for p in prompts(s.num_prompts, seed=14, base=9)]
-    n = s.parity_tokens + 8
-    configs = {"plain": None,
-               "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                         "disable_by_batch_size": 64},
-               "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-                               "disable_by_batch_size": 64}}
-    tokens, detail = {}, {}
-    for name, spec in configs.items():
-        llm = LLM(str(directory), device=s.device, dtype="float32", speculative_config=spec,
-                  engine_config=EngineConfig(max_num_seqs=8))
-        tokens[name] = [o.token_ids for o in llm.generate(ps, greedy(n))]
-        if spec is not None:
-            stats = llm.engine.stats()
-            detail[name] = {"equal": tokens[name] == tokens["plain"], "drafts": stats.spec_decode_num_draft_tokens,
-                            "accepted": stats.spec_decode_num_accepted_tokens}
-        del llm
-        free(s.device)
-    ok = all(d["equal"] and d["drafts"] > 0 for d in detail.values())
-    return Check("spec_decode", "pass" if ok else "fail", detail)
-
-
-# ---- 8. long context memory ------------------------------------------------------------------------
-
-def check_long_context(s: Sizes, work: Path) -> Check:
-    """Decode graphs under flex at a long max_model_len with many sequences: the gather workspace,
-    max_num_seqs x the context's blocks, must not be reserved (flex decode never reads it)."""
-    fields = dict(TINY_LLAMA, max_position_embeddings=s.long_context)
-    directory = write_llama(work / "long", fields, torch.float32, seed=10)
-    free(s.device)
-    if s.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated() if s.device == "cuda" else 0
-    cfg = EngineConfig(max_num_seqs=s.long_seqs, num_kv_blocks=512, max_model_len=s.long_context,
-                       attention_backend="flex", enforce_eager=False)
-    llm = LLM(str(directory), device=s.device, dtype="float32", engine_config=cfg)
-    cache = llm.engine.runner.cache
-    pool = sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
-    llm.generate(prompts(4, seed=15), greedy(s.parity_tokens))
-    old_reserve = s.long_seqs * -(-s.long_context // s.block_size) * cache.keys[0][0].numel() * 4 * 2
-    detail = {"workspace_blocks": cache.workspace_blocks, "kv_pool_bytes": pool,
-              "workspace_bytes_before_the_fix": old_reserve}
-    ok = cache.workspace_blocks == 0
-    if s.device == "cuda":
-        weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-        extra = torch.cuda.max_memory_allocated() - before - pool - weights
-        detail |= {"peak_beyond_weights_and_pool_bytes": extra,
-                   "replays": llm.engine.runner.graphs.num_replays,
-                   "eager_reason": llm.engine.runner.graphs.eager_reason}
-        ok = ok and extra < 256 * 2**20 and detail["replays"] > 0
-    del llm, cache
-    free(s.device)
-    return Check("long_context", "pass" if ok else "fail", detail)
-
-
-# ---- 9. throughput ----------------------------------------------------------------------------
+# ---- 2. throughput ----------------------------------------------------------------------------
 
 @dataclass
 class Throughput:
@@ -551,15 +181,22 @@ def roofline(cfg: dict, n_params: int, batch: int, context: int) -> tuple[float,
     return weight_bytes + kv_bytes, flops, seconds
 
 
+def param_count(cfg: dict) -> int:
+    """Parameters of an untied Llama of `cfg`'s fields (head_dim = hidden / heads)."""
+    h, layers, heads, kv = (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                            cfg["num_key_value_heads"])
+    d = h // heads
+    return 2 * cfg["vocab_size"] * h + h + layers * (2 * h + 2 * h * heads * d + 2 * h * kv * d
+                                                     + 3 * h * cfg["intermediate_size"])
+
+
 def check_throughput(s: Sizes, work: Path, deadline: float, profile_steps: int = 0,
                      hf_too: bool = True) -> tuple[Check, list[Throughput]]:
     check, rows = Check("throughput"), []
+    cfg = SHAPES[s.shape]
     t0 = time.perf_counter()
-    directory = write_llama(work / "llama-8b-shaped", s.big, s.dtype, s.device)
-    b, h, layers = s.big, s.big["hidden_size"], s.big["num_hidden_layers"]
-    d = h // b["num_attention_heads"]
-    n_params = (2 * b["vocab_size"] * h + h + layers * (2 * h + 2 * h * b["num_attention_heads"] * d
-                + 2 * h * b["num_key_value_heads"] * d + 3 * h * b["intermediate_size"]))
+    directory = write_random_checkpoint(work / s.shape, s.shape, s.dtype, device=s.device)
+    n_params = param_count(cfg)
     check.detail["write_s"] = round(time.perf_counter() - t0, 1)
     check.detail["params"] = n_params
     free(s.device)
@@ -614,7 +251,7 @@ def engine_throughput(s: Sizes, directory: Path, n_params: int, backend: str, ea
     llm = LLM(str(directory), device=s.device, dtype=str(s.dtype).removeprefix("torch."), engine_config=cfg)
     runner, out = llm.engine.runner, []
     name = f"qkv {runner.backend}{'' if eager or s.device != 'cuda' else '+graphs'}"
-    vocab = s.big["vocab_size"]
+    vocab = SHAPES[s.shape]["vocab_size"]
     for batch in batches:
         g = torch.Generator().manual_seed(batch)
         seqs = []
@@ -640,9 +277,9 @@ def engine_throughput(s: Sizes, directory: Path, n_params: int, backend: str, ea
         step_s = (time.perf_counter() - t0) / s.steps
         out.append(_row(name, s, n_params, batch, step_s))
         logger.info("%s batch %d: %.2f ms/step", name, batch, step_s * 1e3)
-        if profile_steps:
+        if profile_steps and profiles is not None:
             profiles[f"{name} batch {batch}"] = profile_decode(s, step, profile_steps)
-    del llm, runner
+    del llm
     free(s.device)
     return out
 
@@ -695,7 +332,7 @@ def hf_throughput(s: Sizes, hf, n_params: int, batch: int) -> Throughput:
         return scores
 
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(1, s.big["vocab_size"], (batch, s.context), generator=g).to(s.device)
+    ids = torch.randint(1, SHAPES[s.shape]["vocab_size"], (batch, s.context), generator=g).to(s.device)
     with torch.inference_mode():
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=s.steps + 1, min_new_tokens=s.steps + 1,
                     do_sample=False, pad_token_id=0,
@@ -707,7 +344,7 @@ def hf_throughput(s: Sizes, hf, n_params: int, batch: int) -> Throughput:
 
 
 def _row(name: str, s: Sizes, n_params: int, batch: int, step_s: float) -> Throughput:
-    nbytes, flops, roof = roofline(s.big, n_params, batch, s.context)
+    nbytes, flops, roof = roofline(SHAPES[s.shape], n_params, batch, s.context)
     return Throughput(name, batch, s.context, round(step_s * 1e3, 3), round(batch / step_s, 1), round(roof * 1e3, 3),
                       round(roof / step_s, 3), nbytes, flops)
 
@@ -734,27 +371,13 @@ def environment(s: Sizes) -> dict:
     return env
 
 
-def run_check(fn, *args) -> Check:
-    t0 = time.perf_counter()
-    try:
-        check = fn(*args)
-    except Exception as exc:
-        check = Check(fn.__name__.removeprefix("check_"), "error",
-                      {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)})
-    check.seconds = round(time.perf_counter() - t0, 1)
-    logger.info("%s: %s (%.1f s)", check.name, check.status, check.seconds)
-    return check
-
-
-CHECKS = (("parity", check_parity), ("batch_invariance", check_batch_invariance), ("backends", check_backends),
-          ("graphs", check_graphs), ("sampling", check_sampling), ("prefix_cache", check_prefix_cache),
-          ("spec_decode", check_spec_decode), ("long_context", check_long_context))
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the whole sequence on the CPU with tiny shapes")
-    ap.add_argument("--out", default="device_check.json", help="where the JSON goes")
+    ap.add_argument("--out", default="device_check.json", help="where the report goes")
+    ap.add_argument("--tests", type=Path, default=GPU_TESTS, help="the GPU tests pytest runs (default: tests/gpu)")
+    ap.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. \"-k parity -x\"")
+    ap.add_argument("--tests-timeout-s", type=float, default=900.0, help="the GPU tests' time limit")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="throughput parts that would start after this many seconds are skipped")
     ap.add_argument("--profile-steps", type=int, default=5,
@@ -763,21 +386,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="", help="throughput backends, e.g. flex (default: flex,gather)")
     ap.add_argument("--no-hf", action="store_true", help="no HF generate throughput")
     ap.add_argument("--result", default=None,
-                    help="also write the docs' result file here (loadtests/tools/results.py's schema: "
+                    help="also write the docs' result file here (loadtests/lib/results.py's schema: "
                          "throughput table, checks and profile tables, the report under raw)")
     ap.add_argument("--from", dest="from_reports", nargs="+", default=None, metavar="REPORT",
                     help="write --result from saved reports instead of running: the first gives the throughput "
                          "and the checks, a check that failed there is taken from a later report that ran it, "
                          "and every report's profiles are listed")
     ap.add_argument("--note", default=None, help="the result file's note")
-    ap.add_argument("--skip", default="", help="comma-separated checks to skip: "
-                                                + ", ".join([name for name, _ in CHECKS] + ["throughput"]))
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="write a docs/results/ file from reports of a tree with uncommitted changes (recorded)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: " + ", ".join(PARTS))
     args = ap.parse_args(argv)
+    if args.from_reports and not args.result:
+        ap.error("--from needs --result")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.from_reports:
-        if not args.result:
-            ap.error("--from needs --result")
-        write_docs_result(args.result, [json.loads(Path(r).read_text()) for r in args.from_reports], args.note)
-        return 0
+        return write_docs_result_or_say_why(args, [json.loads(Path(r).read_text()) for r in args.from_reports])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("model", "transformers", "torch"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -791,14 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --dry-run for the CPU sequence", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    command, commit = results.command_line(), results.git_commit()  # the device's copy may have no .git: "unknown"
+    run = provenance.start(args.allow_dirty)  # the device's copy may have no .git: its source digest then
     skip = set(filter(None, args.skip.split(",")))
     checks: list[Check] = []
     rows: list[Throughput] = []
 
-    def report() -> dict:  # written after every check: a run cut off by a time limit keeps what it did
-        out = {"dry_run": args.dry_run, "command": command, "commit": commit,
-               "date": datetime.date.today().isoformat(), "environment": environment(s),
+    def report(rooflines: bool = False) -> dict:  # written after every part
+        out = {"dry_run": args.dry_run, **provenance.stamp(run, s.device, rooflines), "environment": environment(s),
                "elapsed_s": round(time.perf_counter() - start, 1),
                "hbm_bytes_per_s": HBM_BYTES_PER_S, "peak_flops": PEAK_FLOPS,
                "checks": [asdict(c) for c in checks], "throughput": [asdict(r) for r in rows]}
@@ -807,9 +434,15 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="qkv-device-check-") as tmp:
         work = Path(tmp)
-        for name, fn in CHECKS:
-            checks.append(Check(name, "skipped") if name in skip else run_check(fn, s, work))
-            report()
+        if "gpu_tests" in skip:
+            checks.append(Check("gpu_tests", "skipped"))
+        else:
+            t0 = time.perf_counter()
+            check = run_gpu_tests(args.tests, s.device, work, shlex.split(args.pytest_args), args.tests_timeout_s)
+            check.seconds = round(time.perf_counter() - t0, 1)
+            logger.info("gpu_tests: %s (%.1f s)", check.status, check.seconds)
+            checks.append(check)
+        report()
         if "throughput" in skip:
             checks.append(Check("throughput", "skipped"))
         else:
@@ -821,26 +454,38 @@ def main(argv: list[str] | None = None) -> int:
                                                       "traceback": traceback.format_exc(limit=6)})
             check.seconds = round(time.perf_counter() - t0, 1)
             checks.append(check)
-    final = report()
+    final = report(rooflines=True)  # the machine's bounds, measured after the benchmark
     print_table(final)
-    if args.result:
-        final["environment"]["machine"] = results.machine_facts(s.device)
-        Path(args.out).write_text(json.dumps(final, indent=2) + "\n")
-        write_docs_result(args.result, [final], args.note)
-    return 0 if all(c.status in ("pass", "skipped") for c in checks) else 1
+    written = write_docs_result_or_say_why(args, [final]) if args.result else 0
+    return written or (0 if all(c.status in ("pass", "skipped") for c in checks) else 1)
+
+
+def write_docs_result_or_say_why(args: argparse.Namespace, reports: list[dict]) -> int:
+    """`write_docs_result` of `reports` to --result: 0, or 2 with the reason it was refused."""
+    try:
+        write_docs_result(args.result, reports, args.note, args.allow_dirty)
+    except RefusedResult as exc:
+        print(f"no result file: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def check_summary(check: dict) -> str:
-    detail = {k: v for k, v in check["detail"].items() if k not in ("traceback", "rows", "profiles")}
-    if check["name"] == "parity":
-        detail = {k: f"{v['equal']}/{v['prompts']} equal{'' if v['ok'] else ' FAIL'}" for k, v in detail.items()}
+    detail = {k: v for k, v in check["detail"].items()
+              if k not in ("traceback", "rows", "profiles", "tests", "output_tail", "command")}
     return json.dumps(detail)
 
 
-def write_docs_result(path: str, reports: list[dict], note: str | None) -> dict:
+def write_docs_result(path: str, reports: list[dict], note: str | None, allow_dirty: bool = False) -> dict:
     """The docs' result file (docs/results/device_check.json) of saved reports: the first report's
     throughput and checks; a check it failed that a later report passed is shown from the later one
-    with the row saying so; each report's decode-step profiles in a table of their own."""
+    with the row saying so; each report's decode-step profiles in a table of their own. The
+    reports must have run the same code: their provenance, adopted by this checkout where they
+    name no clean commit (loadtests.lib.provenance.adopt), is the file's."""
+    stamps = [provenance.adopt({k: r[k] for k in PROVENANCE_KEYS if k in r}) for r in reports]
+    code = {(st.get("commit"), st.get("dirty"), st.get("source_digest")) for st in stamps}
+    if len(code) > 1:
+        raise ValueError(f"the reports ran different code (commit, dirty, source digest): {sorted(map(str, code))}")
     first = reports[0]
     env = first["environment"]
     checks, taken_from = {c["name"]: c for c in first["checks"]}, {}
@@ -864,30 +509,22 @@ def write_docs_result(path: str, reports: list[dict], note: str | None) -> dict:
                 top = prof["top_kernels"][0] if prof["top_kernels"] else {"name": "", "ms_per_step": 0}
                 profile_rows.append([i, name, prof["wall_ms_per_step"], prof["kernel_ms_per_step"],
                                      prof["kernels_per_step"], f"{top['name'][:60]} ({top['ms_per_step']} ms)"])
-    machine = env.get("machine") or {"cpu_model": None, "cores": None, "copy_bandwidth_gb_s": None,
-                                     "matmul_peak_gflops": None, "not_measured": "the report predates machine facts"}
-    machine = {**machine, "gpu": env.get("gpu"), "torch": env.get("torch"), "cuda": env.get("cuda"),
-               "transformers": env.get("transformers")}
-    commands = [f"report {i}: {r.get('command', 'not recorded')}" for i, r in enumerate(reports, start=1)]
-    doc = {"benchmark": "device_check", "title": "The GPU device check: decode throughput of a Llama-3.1-8B shape",
-           "command": "; ".join(commands), "date": first.get("date", datetime.date.today().isoformat()),
-           "commit": first.get("commit", "not recorded"), "machine": machine,
-           "table": {"columns": ["engine", "batch", "context", "ms/step", "tokens/s", "roofline ms", "% of roofline"],
-                     "rows": rows},
-           "tables": {"checks": {"columns": ["check", "status", "s", "detail"], "rows": check_rows}}}
+    stamp = dict(stamps[0])
+    if len(reports) > 1:
+        stamp["command"] = "; ".join(f"report {i}: {r.get('command')}" for i, r in enumerate(reports, start=1))
+    if allow_dirty:
+        stamp["allow_dirty"] = True
+    # bounds a report cut off before its end did not measure: absent, not invented
+    stamp["machine"] = {"copy_bandwidth_gb_s": None, "matmul_peak_gflops": None, **stamp.get("machine", {}),
+                        "cuda": env.get("cuda"), "transformers": env.get("transformers")}
+    tables = {"checks": (["check", "status", "s", "detail"], check_rows)}
     if profile_rows:
-        doc["tables"]["profile"] = {"columns": ["report", "engine and batch", "wall ms/step (profiled)",
-                                                "kernel ms/step", "kernels/step", "largest kernel"],
-                                    "rows": profile_rows}
-    if note:
-        doc["note"] = note
-    doc["raw"] = reports
-    missing = results.problems(doc)
-    if missing:
-        raise ValueError(f"device_check result: {'; '.join(missing)}")
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {path}")
-    return doc
+        tables["profile"] = (["report", "engine and batch", "wall ms/step (profiled)", "kernel ms/step", "kernels/step",
+                              "largest kernel"], profile_rows)
+    return write_result(path, "device_check",
+                        ["engine", "batch", "context", "ms/step", "tokens/s", "roofline ms", "% of roofline"], rows,
+                        raw=reports, note=note, tables=tables, stamp=stamp,
+                        title="The GPU device check: decode throughput of a Llama-3.1-8B shape")
 
 
 def print_table(report: dict) -> None:
@@ -896,6 +533,10 @@ def print_table(report: dict) -> None:
     print(f"{'check':<18}{'status':<9}{'s':>7}  detail")
     for c in report["checks"]:
         print(f"{c['name']:<18}{c['status']:<9}{c['seconds']:>7}  {check_summary(c)[:160]}")
+    for c in report["checks"]:
+        for t in c["detail"].get("tests", []):
+            if t["outcome"] not in ("passed", "skipped"):
+                print(f"  {t['outcome']}: {t['test']}  {t.get('message', '')[:120]}")
     if report["throughput"]:
         print(f"\n{'engine':<22}{'batch':>6}{'ctx':>6}{'ms/step':>10}{'tok/s':>11}{'roof ms':>9}{'of roof':>9}")
         for r in report["throughput"]:

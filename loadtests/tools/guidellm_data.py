@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from loadtests.openai_workload import make_prompt  # noqa: E402
+from loadtests.lib.openai_workload import make_prompt  # noqa: E402
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from loadtests.tools.report_summary import LevelSummary, Slo, markdown_table, plot, read_records, summarize, write_summary  # noqa: E402
+from loadtests.lib.load_summary import (LevelSummary, Slo, markdown_table, plot, read_records,  # noqa: E402
+                                        summarize, write_summary)
 
 logger = logging.getLogger("load_report")
 

@@ -42,7 +42,7 @@ def choose_backend(name: str, device: torch.device, block_size: int) -> str:
         # On CUDA: FlexAttention's compiled kernel over the paged cache. FlashAttention's KV-cache API
         # (flash_attn_with_kvcache) is not wired in: its paged mode needs blocks of 256 tokens. Which of
         # flex and gather + SDPA is faster on the device is to be confirmed by measurement
-        # (loadtests/tools/device_check.py compares them).
+        # (loadtests/tools/device_check.py times both).
         return "flex" if flex_supported(device, block_size) else "gather"
     if name == "fused" and not use_fused(device):
         raise ValueError(f"attention_backend 'fused' is the CPU kernel and cannot run on {device} "

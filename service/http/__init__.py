@@ -1,6 +1,7 @@
-"""The HTTP edge each engine replica serves: the FastAPI app (`api`), the error shape (`errors`),
-one request's call into the engine (`engine_call`), the chat path every chat-like API shares
-(`chat_template`, `chat_run`), the attention API (`attention_api`) and HTTP carried over a Serve
-handle (`asgi_forward`). With the API families (`service.openai`, `service.anthropic`,
-`service.tools`) it sits above `service.engine` and below the replica and the routing.
+"""The HTTP edge every API family stands on: one request's call into the engine through the
+admission gate and the tenant's quota (`engine_call`), SSE event streams (`event_stream`), images
+fetched and decoded from requests (`images`) and HTTP carried over a Serve handle
+(`asgi_forward`). It sits above `service.engine` and `service.tenancy` and imports no API family:
+`service.openai`, `service.anthropic` and `service.explorer` build on it, and `service.server`
+mounts them all.
 """

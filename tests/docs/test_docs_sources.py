@@ -49,7 +49,7 @@ def pages() -> list[Path]:
 
 def test_every_app_argument_and_engine_field_has_a_description() -> None:
     from model.config import EngineConfig
-    from model.engine.spec_decode.config import SpeculativeConfig
+    from model.config.speculative import SpeculativeConfig
     from service.app import AppArgs
 
     missing = [f"AppArgs.{n}" for n, f in AppArgs.model_fields.items() if not (f.description or "").strip()]
@@ -91,7 +91,7 @@ class Mention:
 
 def known_names() -> dict[str, set[str]]:
     from model.config import EngineConfig
-    from model.engine.spec_decode.config import SpeculativeConfig
+    from model.config.speculative import SpeculativeConfig
     from model.llm import LLM
     from model.sampling.params import SamplingParams
     from service.app import AppArgs

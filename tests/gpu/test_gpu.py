@@ -18,11 +18,12 @@ import torch
 from model import LLM, SamplingParams
 from model.config import EngineConfig
 from model.loading.checkpoint import load_model
-from model.loading.quantize import on_the_fly_scheme
+from model.loading.quant.quantize import on_the_fly_scheme
 from tests.support.tiny_models import build_tiny_llama, build_tokenizer, engine_greedy_runs, full_logits, hf_greedy, write_tiny_llama
+from tests.support.requirements import need_module
 
 pytestmark = pytest.mark.gpu
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 LOGITS_ATOL = 1e-4
 GREEDY = 24
@@ -30,17 +31,6 @@ BLOCK = 16  # flex on CUDA needs a multiple of 16
 PROMPT = torch.randint(0, 301, (37,), generator=torch.Generator().manual_seed(5)).tolist()
 GEMMA = dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=True, query_pre_attn_scalar=24,
              sliding_window=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
-
-
-@pytest.fixture(scope="module")
-def device(pytestconfig) -> str:
-    dev = pytestconfig.getoption("--accel-device")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip("no CUDA device (run `pytest -m gpu` on a GPU machine)")
-    if dev.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = False  # float32 parity means float32 products
-        torch.backends.cudnn.allow_tf32 = False
-    return dev
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +115,7 @@ def test_quantized_logits_equal_the_cpus(device, checkpoints, method) -> None:
 
 
 def test_lora_adapter_equals_peft_merged(device, tmp_path) -> None:
-    peft = pytest.importorskip("peft")
+    peft = need_module("peft")
     base = tmp_path / "base"
     build_tiny_llama().save_pretrained(base)
     build_tokenizer(301).save(str(base / "tokenizer.json"))

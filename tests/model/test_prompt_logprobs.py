@@ -10,8 +10,9 @@ import torch
 from model import LLM, SamplingParams
 from model.config import EngineConfig
 from tests.support.tiny_models import save_tiny_gpt2
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 VOCAB = 301
 TOP = 3

@@ -21,6 +21,7 @@ from model.engine.engine import Engine
 from model.sampling.params import SamplingParams
 from model.sampling.sampler import SamplingRow, sample
 from tests.support.tiny_models import build_tiny_llama, build_tokenizer, write_tiny_llama
+from tests.support.requirements import need_module
 
 PROMPT = [5, 17, 42, 99, 7, 23, 64, 81, 12, 33, 56, 70]  # 12 tokens: 3 blocks of 4 (two full)
 SAMPLED = [
@@ -124,7 +125,7 @@ def test_draft_model_speculative_decoding(monkeypatch, llama_dir, tmp_path) -> N
 
 
 def test_lora_adapter(monkeypatch, tmp_path) -> None:
-    peft = pytest.importorskip("peft")
+    peft = need_module("peft")
     base = tmp_path / "base"
     build_tiny_llama().save_pretrained(base)
     build_tokenizer(301).save(str(base / "tokenizer.json"))

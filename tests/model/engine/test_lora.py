@@ -22,8 +22,9 @@ from model.layers.lora import LoraBatch
 from model.loading.lora import LoraError, LoraNotFoundError, load_adapter
 from model.sampling.params import SamplingParams
 from tests.support.tiny_models import build_tiny_gpt2, build_tiny_llama, build_tokenizer, full_logits, hf_greedy, torch_threads
+from tests.support.requirements import need_module
 
-peft = pytest.importorskip("peft")
+peft = need_module("peft")
 
 LOGITS_ATOL = 1e-4  # fp32
 TOKENS = 12

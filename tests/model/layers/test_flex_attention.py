@@ -1,5 +1,5 @@
 """The FlexAttention backend (model/layers/flex_attention.py) against the gather path, on the CPU
-(FlexAttention's unfused reference; the compiled CUDA kernel is checked by loadtests/tools/device_check.py):
+(FlexAttention's unfused reference; the compiled CUDA kernel is checked by tests/gpu/test_gpu_engine.py on a GPU):
 ragged decode batches, prefill chunks after a cached past, both in one step, block tables with
 holes (scattered, non-increasing physical blocks), grouped-query attention, sliding windows,
 16-bit caches; and the block mask, which is all the compiled kernel reads blocks by."""

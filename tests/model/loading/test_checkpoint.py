@@ -16,8 +16,9 @@ from model.config import PRESETS, ModelConfig
 from model.loading.checkpoint import SUPPORTED_ARCHITECTURES, CheckpointError, load_model, save_model
 from model.models.transformer import Transformer
 from tests.support.tiny_models import build_tiny_gpt2, full_logits, save_tiny_gpt2
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 TOKENS = torch.tensor([5, 17, 200, 3, 99, 42, 7, 250, 1, 64, 128, 31])
 

@@ -14,8 +14,9 @@ import torch
 from model import LLM, SamplingParams
 from model.loading.checkpoint import load_model
 from tests.support.tiny_models import full_logits, hf_greedy, save_tiny_gpt2
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 # (n_layer, n_head, n_embd, vocab_size, sharded)
 SHAPES = [(1, 1, 32, 263, False), (2, 4, 64, 301, True), (3, 2, 96, 517, False)]

@@ -21,8 +21,9 @@ from model.engine.builder import build_engine
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.loading.checkpoint import CheckpointError, load_model
 from tests.support.tiny_models import full_logits, hf_greedy, write_tiny_llama
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 LOGITS_ATOL = 1e-4  # fp32; the observed difference is ~2e-6
 GREEDY_TOKENS = 32

@@ -31,6 +31,7 @@ from model.loading.quant.quantize import on_the_fly_scheme
 from model.models.registry import build_model
 from tests.support.in_process import edge_app
 from tests.support.tiny_models import full_logits, write_tiny_llama
+from tests.support.requirements import required
 
 RTOL = 1e-3  # relative (Frobenius) error of logits against the dequantized reference
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -176,8 +177,7 @@ def test_int8_activations_kernel_equals_its_math_on_every_path(bits, group, offs
 def test_int8_activations_layer_routing() -> None:
     """The layer takes the int8-activation product for every row count once switched on, and its
     float kernel (1e-5 of the format's math) when off."""
-    if int8_path() == 0:
-        pytest.skip("the quantized-matmul kernel has no integer vector path on this CPU")
+    required(int8_path() != 0, "the quantized-matmul kernel has no integer vector path on this CPU")
     gen = torch.Generator().manual_seed(2)
     layer = QuantizedLinear(128, 40, 4, 32, True, has_offsets=True)
     layer.quantize_from(torch.randn(40, 128, generator=gen))
@@ -316,8 +316,8 @@ def _others(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
 @pytest.mark.parametrize("arch,method,acts", [("llama", "int4", "float32"), ("transformer", "int8", "float32"),
                                                ("llama", "int4", "int8"), ("transformer", "int8", "int8")])
 def test_engine_greedy_alone_equals_batched_and_preempted(arch, method, acts, llama_dir, transformer_dir) -> None:
-    if acts == "int8" and int8_path() == 0:
-        pytest.skip("the quantized-matmul kernel has no integer vector path on this CPU")
+    if acts == "int8":
+        required(int8_path() != 0, "the quantized-matmul kernel has no integer vector path on this CPU")
     directory = str(llama_dir if arch == "llama" else transformer_dir)
     prompt = list(range(3, 12))
     llm = LLM(directory, device="cpu", dtype="float32", quantization=method, quantization_group_size=32,

@@ -18,8 +18,9 @@ import torch
 from model.loading.checkpoint import CheckpointError, load_model
 from tests.support.tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
 from tests.support.tiny_models import engine_greedy_runs, full_logits, write_tiny_llama
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 LOGITS_ATOL = 1e-4
 GREEDY = 32

@@ -14,8 +14,10 @@ from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.loading.checkpoint import load_model
 from tests.support.tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
 from tests.support.tiny_models import engine_greedy_runs, full_logits, hf_greedy, write_tiny_llama
+from tests.support.requirements import required
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 LOGITS_ATOL = 1e-4
 WINDOW, PROMPT, GREEDY = 64, 200, 32
@@ -73,7 +75,7 @@ def test_mistral_out_of_window_blocks_are_given_back_and_outputs_stay_exact(mist
     from model.layers.paged_attention import use_fused
 
     if backend == "fused" and not use_fused(torch.device("cpu")):
-        pytest.skip("the fused CPU kernel is not built here")
+        required(False, "the fused CPU kernel is not built here")
     directory, hf, prompt = mistral
     expected = hf_greedy(hf, prompt, GREEDY)
     llm = LLM(str(directory), device="cpu", dtype="float32",
@@ -138,8 +140,7 @@ def test_qwen2_max_window_layers_mix_windowed_and_full_layers(tmp_path) -> None:
 
 @pytest.mark.parametrize("window", [None, 1, 5, 16, 33, 500])
 def test_fused_kernels_equal_the_gather_path_with_windows(window) -> None:
-    if not pa.kernel_available():
-        pytest.skip("the fused kernel could not be built here")
+    required(pa.kernel_available(), "the fused kernel could not be built here")
     g = torch.Generator().manual_seed(0)
     nb, bs, hkv, d, hq = 40, 4, 2, 16, 6
     kc, vc = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
@@ -169,8 +170,7 @@ def test_windowed_gather_reference_is_a_band_of_plain_attention() -> None:
 def test_model_decode_through_the_kernel_equals_the_gather_path_with_windows(mistral) -> None:
     """The whole model's decode step (every layer windowed, context past the window) with the
     runner's fused kernels in the metadata and without."""
-    if not pa.kernel_available():
-        pytest.skip("the fused kernel could not be built here")
+    required(pa.kernel_available(), "the fused kernel could not be built here")
     directory, _, prompt = mistral
     cfg, model = load_model(directory)
     bs, n = 8, 150

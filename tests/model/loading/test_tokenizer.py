@@ -10,6 +10,7 @@ import pytest
 from model.config import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 from model.engine.detokenizer import IncrementalDetokenizer
 from model.loading.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from tests.support.requirements import need_module
 
 TEXTS = ["Hello, world!", "你好，世界", "👍🏽 and 🎉", "mixed: café 日本語 🇯🇵 done"]
 SENTENCES = [
@@ -217,7 +218,7 @@ def test_load_tokenizer(bpe_dir: Path, tmp_path: Path) -> None:
 
 
 def test_matches_transformers(bpe_dir: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = need_module("transformers")
     ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(bpe_dir / "tokenizer.json"))
     tok = HFTokenizer(bpe_dir)
     for text in TEXTS:

@@ -20,8 +20,9 @@ import pytest
 from tests.support.chat_tokenizers import STYLES, write_chat_tokenizer
 from tests.support.ingress_stub import stub_ingress
 from model.loading.tokenizer import HFTokenizer
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -23,8 +23,9 @@ from model.layers.moe import Experts, route
 from model.loading.checkpoint import load_model
 from tests.support.tiny_models import engine_greedy_runs, full_logits, hf_greedy, write_tiny_llama
 from tests.support.tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 LOGITS_ATOL = 1e-4  # fp32
 GREEDY_TOKENS = 32

@@ -27,8 +27,9 @@ from model.multimodal.processor import ImageProcessor
 from tests.support.tiny_models import one_thread  # noqa: F401  (autouse: this module runs on one torch thread)
 from tests.support.vision_llava_models import (CASES, IMAGE_TOKEN_ID, TEXT_VOCAB, hf_generate, hf_inputs, image_tokens,
                                  random_image, save_tiny_llava)
+from tests.support.requirements import need_module
 
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 LOGITS_ATOL = 1e-4  # fp32; the observed difference is ~2e-6
 GREEDY_TOKENS = 32

@@ -29,11 +29,12 @@ from model.sampling.request_checks import RequestError
 from tests.support.in_process import edge_app
 from tests.support.tiny_models import EOS_TOKEN, build_tokenizer, torch_threads, write_tiny_llama
 
-st = pytest.importorskip("sentence_transformers")
+st = need_module("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
 
 from tests.support.local_serve import SharedServe  # noqa: E402
+from tests.support.requirements import need_module
 
 VOCAB, HIDDEN = 301, 64
 TEXTS = ["The cat sat on the mat.", "hello", "Embeddings are vectors of one length for texts of any length."]

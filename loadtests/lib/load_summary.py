@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from loadtests.lib.results import write_json
+
 logger = logging.getLogger(__name__)
 
 QUANTILES = (50, 90, 99)
@@ -114,9 +116,9 @@ def summarize(users: int, records: list[dict[str, Any]], slo: Slo) -> LevelSumma
 
 
 def write_summary(path: Path, levels: list[LevelSummary], meta: dict[str, Any]) -> None:
-    """The summary JSON: run parameters under `meta`, one entry per level under `levels`."""
-    doc = {"meta": meta, "levels": [asdict(lv) for lv in levels]}
-    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    """The summary JSON: run parameters under `meta`, one entry per level under `levels`, and
+    the provenance every script's JSON carries (loadtests/lib/results.py)."""
+    write_json(path, {"meta": meta, "levels": [asdict(lv) for lv in levels]})
 
 
 def _fmt(x: float | None) -> str:

@@ -3,8 +3,8 @@
 Prompts are generated locally from a fixed word list and a seeded RNG, payloads follow the
 OpenAI `/v1/completions` and `/v1/chat/completions` bodies, and `read_stream` turns an SSE
 response into one `RequestResult` (TTFT, inter-token gaps, end-to-end latency, token counts
-from `usage`) or a failure reason. `locustfile.py` wires this into Locust; `load_report.py`
-reads the JSON lines that `RequestResult.to_record` produces.
+from `usage`) or a failure reason. loadtests/locustfile.py wires this into Locust;
+loadtests/lib/load_summary.py reads the JSON lines that `RequestResult.to_record` produces.
 """
 
 from __future__ import annotations
