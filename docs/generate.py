@@ -535,7 +535,8 @@ def provenance(doc: dict[str, Any]) -> str:
     facts = [(m["cpu_model"], "{}"), (m["cores"], "{} cores"), (m["copy_bandwidth_gb_s"], "copy {} GB/s"),
              (m["matmul_peak_gflops"], "float32 matmul {} GFLOP/s")]  # None: not measured by that run
     machine = ", ".join([fmt.format(v) for v, fmt in facts if v is not None] + [m["gpu"] or "no GPU"])
-    lines = [f"Command: `{doc['command']}`. Run {doc['date']} at commit `{doc['commit']}` on {machine}."]
+    commit = f"`{doc['commit']}`" + (" with uncommitted changes" if doc.get("dirty") else "")
+    lines = [f"Command: `{doc['command']}`. Run {doc['date']} at commit {commit} on {machine}."]
     for key, label in (("source", "Source"), ("note", "Note")):
         if doc.get(key):
             lines.append(f"{label}: {doc[key]}")
