@@ -12,8 +12,8 @@ from model.config.model import (ATTENTION_BACKENDS, BYTE_EOS_ID, BYTE_PAD_ID, BY
                                 KV_CACHE_DTYPES, PRESETS, QUANTIZATION_ACTIVATIONS, QUANTIZATION_GROUP_SIZES,
                                 QUANTIZATIONS, QUANTIZE_LM_HEAD, ROPE_SCALING_TYPES, SCHEDULING_POLICIES, Arch,
                                 AttentionBackend, AttentionKind, GemmaOptions, KVCacheDtype, ModelConfig, MoEActivation,
-                                MoEConfig, MoERouting, Quantization, QuantizationActivations, QuantizeLmHead,
-                                RopeScaling, SchedulingPolicy, VisionConfig)
+                                MoEConfig, MoERouting, Quantization, QuantizationActivations, QuantizationGroupSize,
+                                QuantizeLmHead, RopeScaling, SchedulingPolicy, VisionConfig)
 from model.config.speculative import SpeculativeConfig
 
 __all__ = [
@@ -21,6 +21,6 @@ __all__ = [
     "QUANTIZATION_ACTIVATIONS", "QUANTIZATION_GROUP_SIZES", "QUANTIZATIONS", "QUANTIZE_LM_HEAD", "REQUIRED",
     "ROPE_SCALING_TYPES", "SCHEDULING_POLICIES", "Arch", "AttentionBackend", "AttentionKind", "EngineConfig",
     "GemmaOptions", "KVCacheDtype", "MoEActivation", "MoEConfig", "MoERouting", "ModelConfig", "Quantization",
-    "QuantizationActivations", "QuantizeLmHead", "RopeScaling", "RuntimeInfo", "SchedulingPolicy",
+    "QuantizationActivations", "QuantizationGroupSize", "QuantizeLmHead", "RopeScaling", "RuntimeInfo", "SchedulingPolicy",
     "SpeculativeConfig", "VisionConfig", "described",
 ]

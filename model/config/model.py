@@ -5,24 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 AttentionKind = Literal["dot", "additive"]
 Arch = Literal["transformer", "gpt2", "llama", "moe", "gpt_oss", "gemma2", "gemma3", "phi3", "qwen2_vl", "llava"]
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "dynamic", "longrope")
+RopeScalingKind = Literal["linear", "llama3", "yarn", "dynamic", "longrope"]
+ROPE_SCALING_TYPES = get_args(RopeScalingKind)
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = get_args(KVCacheDtype)
 Quantization = Literal["none", "int8", "int4"]
-QUANTIZATIONS = ("none", "int8", "int4")
-QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+QUANTIZATIONS = get_args(Quantization)
+QuantizationGroupSize = Literal[32, 64, 128]
+QUANTIZATION_GROUP_SIZES = get_args(QuantizationGroupSize)
 QuantizationActivations = Literal["auto", "float32", "int8"]
-QUANTIZATION_ACTIVATIONS = ("auto", "float32", "int8")
+QUANTIZATION_ACTIVATIONS = get_args(QuantizationActivations)
 QuantizeLmHead = bool | Literal["auto", "int8"]
 QUANTIZE_LM_HEAD = (False, True, "auto", "int8")
 AttentionBackend = Literal["auto", "gather", "fused", "flex"]
-ATTENTION_BACKENDS = ("auto", "gather", "fused", "flex")
+ATTENTION_BACKENDS = get_args(AttentionBackend)
 SchedulingPolicy = Literal["fcfs", "priority"]
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = get_args(SchedulingPolicy)
 
 # Byte-level vocabulary: 256 byte values followed by the special tokens.
 BYTE_VOCAB = 256
@@ -49,7 +51,7 @@ class RopeScaling:
       long from position 0 (model/engine/scheduler.py).
     """
 
-    kind: Literal["linear", "llama3", "yarn", "dynamic", "longrope"]
+    kind: RopeScalingKind
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

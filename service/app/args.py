@@ -13,7 +13,8 @@ from typing import Any, Literal
 import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from model.config import EngineConfig
+from model.config import (AttentionBackend, EngineConfig, KVCacheDtype, Quantization, QuantizationActivations,
+                          QuantizationGroupSize, QuantizeLmHead, SchedulingPolicy)
 from model.loading.hub import is_hub_id
 from model.loading.loading import is_preset
 from service.autoscaling import REPLACED_SERVE_KEYS, ScalingTargets
@@ -88,17 +89,17 @@ class AppArgs(BaseModel):
     block_size: int = engine_arg("block_size", ge=1)
     kv_cache_bytes: int | None = engine_arg("kv_cache_bytes", ge=1)
     num_kv_blocks: int | None = engine_arg("num_kv_blocks", ge=1)
-    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = engine_arg("kv_cache_dtype")
+    kv_cache_dtype: KVCacheDtype = engine_arg("kv_cache_dtype")
     kv_offload_bytes: int = engine_arg("kv_offload_bytes", ge=0)
     kv_offload_dir: str | None = engine_arg("kv_offload_dir")
     kv_share_dir: str | None = engine_arg("kv_share_dir")
     kv_share_bytes: int = engine_arg("kv_share_bytes", ge=0)
-    attention_backend: Literal["auto", "gather", "fused", "flex"] = engine_arg("attention_backend")
+    attention_backend: AttentionBackend = engine_arg("attention_backend")
     enforce_eager: bool | None = engine_arg("enforce_eager")
-    quantization: Literal["none", "int8", "int4"] = engine_arg("quantization")
-    quantization_group_size: Literal[32, 64, 128] = engine_arg("quantization_group_size")
-    quantization_activations: Literal["auto", "float32", "int8"] = engine_arg("quantization_activations")
-    quantize_lm_head: bool | Literal["auto", "int8"] = engine_arg("quantize_lm_head")
+    quantization: Quantization = engine_arg("quantization")
+    quantization_group_size: QuantizationGroupSize = engine_arg("quantization_group_size")
+    quantization_activations: QuantizationActivations = engine_arg("quantization_activations")
+    quantize_lm_head: QuantizeLmHead = engine_arg("quantize_lm_head")
     speculative_config: dict[str, Any] | None = engine_arg("speculative_config")
     lora_modules: dict[str, str] | None = engine_arg("lora_modules")
     lora_dynamic_path: str | None = engine_arg("lora_dynamic_path")
@@ -115,7 +116,7 @@ class AppArgs(BaseModel):
                             "rank) is placed on nodes: PACK, STRICT_PACK (one node), SPREAD, STRICT_SPREAD.")
     enable_prefix_caching: bool = engine_arg("enable_prefix_caching")
     encoder_cache_size: int = engine_arg("encoder_cache_size", ge=0)
-    scheduling_policy: Literal["fcfs", "priority"] = engine_arg("scheduling_policy")
+    scheduling_policy: SchedulingPolicy = engine_arg("scheduling_policy")
     priority_aging_s: float = engine_arg("priority_aging_s", ge=0)
     prefix_aware_routing: bool = Field(True, description="With several replicas: a request whose prompt shares a "
                                        "cached prefix (or that names a LoRA adapter) goes to the replica holding "
