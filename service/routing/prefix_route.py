@@ -11,7 +11,7 @@ HAProxy then forwards the request straight to that replica's own HTTP port and s
 answer back. One call per request, none per token. A body that is not a valid request (or is
 too large for HAProxy to pass on whole) is routed by load alone; the replica answers its error.
 
-A multi-model app served as one deployment (service/multi_model.py) has it too: it reads the
+A multi-model app served as one deployment (service/app/multi.py) has it too: it reads the
 body's `model`, resolves it to a served model (`ModelNames`: adapters and `<served>:<adapter>`
 included) and picks among that model's replicas only, by prefix where that model has several
 replicas and a prefix cache. A request without `model` goes to the first model's replicas; an
@@ -22,6 +22,7 @@ unknown `model` or an unreadable body to any replica, whose edge answers the 404
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # How long a pick may wait for a replica of the model (HAProxy gives the router 5 s by default).
 PICK_TIMEOUT_S = 4.0
+# How many of the latest picks `recent_picks` keeps.
+PICKS_KEPT = 1000
 
 route_api = FastAPI(docs_url=None, redoc_url=None)
 
@@ -62,6 +65,7 @@ class PrefixRoute:
                 info = await engine.model_info.remote(ToModel(name))
                 self._serving[name] = OpenAIServing(info, None, OverloadPolicy())
         self.routed = 0  # requests answered with a replica
+        self._picks: deque[dict[str, Any]] = deque(maxlen=PICKS_KEPT)  # the router's latest decisions
         # The handle's first pick waits for Serve to tell it the replicas, which can outlast
         # HAProxy's patience with the router (it then balances by itself): wait here instead.
         async with engine.choose_replica(_reserve=False):
@@ -90,7 +94,9 @@ class PrefixRoute:
         async def pick() -> tuple[tuple[str, int] | None, str]:
             async with self._engine.choose_replica(*args, _reserve=False) as selection:
                 replica = selection._replica  # Ray Serve LLM's direct streaming reads it the same way
-                return replica.backend_http_endpoint, replica.replica_id.to_full_id_str()
+                replica_id = replica.replica_id.to_full_id_str()
+                self._record_pick(argument, replica_id)
+                return replica.backend_http_endpoint, replica_id
 
         try:
             endpoint, replica_id = await asyncio.wait_for(pick(), PICK_TIMEOUT_S)
@@ -113,3 +119,19 @@ class PrefixRoute:
     def routed_requests(self) -> int:
         """How many requests HAProxy has had routed here (tests wait for the first)."""
         return self.routed
+
+    def _record_pick(self, argument: RoutingPrompt | None, replica_id: str) -> None:
+        # A pick-only call takes the router's first choice as it is (no queue-length probe), so
+        # this is the router's decision, even where HAProxy gave up waiting and balanced by itself.
+        # No argument: the router balanced by load; an argument it left unmarked: None.
+        why = "load" if argument is None else (argument.picked_by[-1] if argument.picked_by else None)
+        self._picks.append({"model": argument.model if argument is not None else None,
+                            "lora": argument.lora if argument is not None else None,
+                            "replica_id": replica_id, "why": why})
+
+    async def recent_picks(self) -> list[dict[str, Any]]:
+        """The latest `PICKS_KEPT` decisions, oldest first (tests, debugging): each request's served
+        model and adapter, the replica the router chose and why: "prefix" (the replica that
+        computed its leading blocks), "adapter" (a replica holding its adapter) or "load". On the
+        event loop, where the picks are appended."""
+        return list(self._picks)

@@ -22,12 +22,12 @@ no known prefix it goes to a replica holding the adapter: one that reports it re
 time, so a burst for an adapter no replica has yet loads it on one replica, not on all), the
 least busy of those, unless it has `imbalance_threshold` more requests than the least busy replica.
 
-Several models in one deployment (service/multi_model.py): each replica serves one model and says
+Several models in one deployment (service/app/multi.py): each replica serves one model and says
 which in its `record_replica_metadata` (`{"model": served name}`); a call whose routing argument
 names a `model` is routed among that model's replicas only, by the same policy. The prefix chain
 is salted by the model too, so two models never share an owner map entry.
 
-The shared KV tier (`kv_share_dir`, model/engine/kv_share.py): the replicas of a node publish the
+The shared KV tier (`kv_share_dir`, model/engine/kv/share.py): the replicas of a node publish the
 prompt blocks they compute to a shared directory, and say where in `record_replica_metadata`
 (`{"kv_share": {"dir", "salt"}}`). The router looks there for the request's leading blocks (one
 stat per block, hashed as the engines hash them): what the tier holds, every replica loads instead
@@ -45,13 +45,13 @@ from __future__ import annotations
 import logging
 import random
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from model.engine.block_manager import block_hashes, sequence_salt
-from model.engine.kv_share_layout import leading_files
+from model.engine.kv.block_manager import block_hashes, sequence_salt
+from model.engine.kv.share_layout import leading_files
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,13 @@ logger = logging.getLogger(__name__)
 class RoutingPrompt:
     """The routing argument of a pick-only `choose_replica` call: the request's prompt ids, the
     LoRA adapter it runs under (None: the base model) and the served model whose replicas may take
-    it (None: any replica)."""
+    it (None: any replica). The router appends why it picked to `picked_by` ("prefix", "adapter"
+    or "load"): the caller's record of each decision (service/routing/prefix_route.py)."""
 
     prompt_token_ids: list[int]
     lora: str | None = None
     model: str | None = None
+    picked_by: list[str] = field(default_factory=list, compare=False)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class _Route:
     lora: str | None = None
     pick_only: bool = False  # a `RoutingPrompt`: nothing is dispatched, no on_request_routed follows
     model: str | None = None  # only replicas serving this model may take it; None: any
+    picked_by: list[str] | None = None  # a pick-only call's out-list: why the router picked
 
 
 def replica_model(replica: RunningReplica) -> str | None:
@@ -99,8 +102,9 @@ def _route(pending_request: PendingRequest | None) -> _Route:
     # `RoutingPrompt` is not the class object the caller built the argument with.
     if not isinstance(first, list) and hasattr(first, "prompt_token_ids"):
         prompt = first.prompt_token_ids
+        picked_by = getattr(first, "picked_by", None)
         return _Route(prompt if isinstance(prompt, list) else None, getattr(first, "lora", None), True,
-                      getattr(first, "model", None))
+                      getattr(first, "model", None), picked_by if isinstance(picked_by, list) else None)
     if not isinstance(first, list) and isinstance(getattr(first, "model", None), str):  # a `ToModel`
         return _Route(model=first.model)
     if isinstance(first, list) and first:  # generate(list[SubRequest]): the choices share the prompt
@@ -207,6 +211,7 @@ class PrefixAwareRouter(RequestRouter):
         hashes = self._hashes(route)
         least = min(self._load(r) for r in candidate_replicas)
         ranks: list[list[RunningReplica]] | None = None
+        why = "load"
         if hashes:
             holder, run = self._holder(hashes, {r.replica_id: r for r in candidate_replicas})
             # Leaving the holder recomputes what it holds beyond the shared tier, or only loads it.
@@ -216,11 +221,12 @@ class PrefixAwareRouter(RequestRouter):
             if holder is not None and run * self._block_size_of(route) >= self._min_match_rate * len(route.prompt or ()) \
                     and self._load(holder) - least <= allowance:
                 # The holder first; if it cannot take the request, the others by load.
-                ranks = [[holder], [r for r in candidate_replicas if r is not holder]]
+                ranks, why = [[holder], [r for r in candidate_replicas if r is not holder]], "prefix"
         if ranks is None and route.lora is not None:
             holders = sorted(self._adapter_holders(route.lora, candidate_replicas), key=self._load)
             if holders and self._load(holders[0]) - least <= self._imbalance:
                 ranks = [holders, sorted((r for r in candidate_replicas if r not in holders), key=self._load)]
+                why = "adapter"
         if ranks is None:
             two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
             ranks = [sorted(two, key=self._load)]  # stable: equal loads keep the random order
@@ -230,6 +236,8 @@ class PrefixAwareRouter(RequestRouter):
             chosen = ranks[0][0]
             ranks = [[chosen], [r for rank in ranks for r in rank if r is not chosen]]
             self._remember(route, hashes, chosen.replica_id)
+            if route.picked_by is not None:
+                route.picked_by.append(why)
         return [rank for rank in ranks if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.serve_fixtures import in_ci, wait_until
+from tests.support.requirements import in_ci
+from tests.support.serve_fixtures import wait_until
 from tests.support.paths import REPO
 
 README = (REPO / "README.md").read_text()

@@ -18,8 +18,8 @@ import torch
 from tests.support.local_serve import SharedServe
 from model import LLM, SamplingParams
 from model.config import EngineConfig
-from service.http.attention_api import display_tokens
-from tests.support.serve_fixtures import in_ci
+from service.explorer.attention_api import display_tokens
+from tests.support.requirements import in_ci
 from tests.support.tiny_models import torch_threads
 from tests.support.paths import REPO
 

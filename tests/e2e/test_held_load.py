@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from ray import serve
 
-from loadtests.benchmarks import bench_held_load as held
+from loadtests.lib import held_load as held
 from tests.support.local_serve import local_service, write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -50,9 +50,9 @@ def base_url(vl_dir: Path) -> Iterator[str]:
     import uvicorn
 
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
 
-    engine = Engine(str(vl_dir), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
+    engine = build_engine(str(vl_dir), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu", dtype="float32")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -52,4 +52,4 @@ def test_a_prompt_computed_on_one_replica_is_loaded_by_the_other(ports: list[int
                "the second replica to find the prompt's blocks")
     assert b["choices"][0]["text"] == a["choices"][0]["text"]
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= a["usage"]["prompt_tokens"] // 2
-    wait_until(lambda: loaded_blocks() > 0, 30, "the shared tier's hits on Ray's metrics endpoint")
+    wait_until(lambda: loaded_blocks() > 0, 60, "the shared tier's hits on Ray's metrics endpoint")

@@ -18,9 +18,10 @@ from tests.support.local_serve import SharedServe
 from model import LLM, SamplingParams
 from model.config import EngineConfig
 from tests.support.tiny_models import torch_threads, write_tiny_llama
+from tests.support.requirements import need_module
 
 pytestmark = pytest.mark.slow
-transformers = pytest.importorskip("transformers")
+transformers = need_module("transformers")
 
 VOCAB = 400
 PROMPT = "The cat sat on the mat."

@@ -18,8 +18,8 @@ import pytest
 from tests.support.local_serve import SharedServe
 from tests.support.serve_fixtures import REPO, write_tiny_model
 
-from loadtests.openai_workload import RequestResult, StreamError, read_stream  # on sys.path via serve_fixtures
-from loadtests.tools.report_summary import Slo, summarize
+from loadtests.lib.openai_workload import RequestResult, StreamError, read_stream  # on sys.path via serve_fixtures
+from loadtests.lib.load_summary import Slo, summarize
 
 USERS, RUN_TIME = 4, "15s"
 SHORT_MAX, LONG_MAX = 8, 16

@@ -2,10 +2,11 @@
 deployed in turn:
 
 - adapter-aware routing over two engine replicas behind real HAProxy and the prefix router:
-  requests for one adapter (no shared prefix) all land on one replica, and a burst for a new
-  dynamic adapter loads it on one replica only (told apart by the `replica` label of Ray's
-  metrics, as tests/e2e/test_prefix_routing.py does);
-- a two-model app (`models:`), in each layout (service/multi_model.py): one deployment whose
+  the router picks a replica holding the adapter for every request for one adapter (no shared
+  prefix) after the first, and for a burst for a new dynamic adapter, read from the router's own
+  record of its picks (`PrefixRoute.recent_picks`), not from where requests landed, which depends
+  on load (HAProxy balances by itself when the router is slow to answer);
+- a two-model app (`models:`), in each layout (service/app/multi.py): one deployment whose
   replicas serve one model each, HAProxy routing by the body's `model` (the default), and the
   ModelRouter front (entries that need different replica options): both names answered with each
   model's own greedy output, an adapter of one of them by its name, `/v1/models` listing both and
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,9 +33,10 @@ import requests
 import torch
 
 from tests.support.local_serve import write_tiny_checkpoint
-from service.replica.engine_deployment import GAUGE_REFRESH_S
-from tests.support.serve_fixtures import METRICS_INTERVAL_MS, engine_replica_ports, scrape, wait_until
+from tests.support.serve_fixtures import METRICS_INTERVAL_MS, engine_replica_ids, engine_replica_ports, router_picks, \
+    scrape, wait_until
 from tests.support.tiny_models import build_tiny_llama, torch_threads, write_tiny_llama
+from tests.support.requirements import need_module
 
 HTTP_PORT, METRICS_PORT = 19110, 19111
 METRICS_URL = f"http://127.0.0.1:{METRICS_PORT}/metrics"
@@ -56,7 +57,7 @@ def _adapter(directory: Path, seed: int) -> Path:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Llama (the adapters' base) with adapters a, c, d; a tiny Transformer of another shape."""
-    pytest.importorskip("peft")
+    need_module("peft")
     root = tmp_path_factory.mktemp("multi")
     with torch_threads(1):
         out = {"llama": write_tiny_llama(root / "llama"), "adapters": root / "adapters",
@@ -70,7 +71,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_models_entries_take_defaults_and_refuse_app_level_fields() -> None:
     from service.app import AppArgs
-    from service.multi_model import model_args
+    from service.app.multi import model_args
 
     def entries(args: dict[str, Any]) -> list[AppArgs]:
         return model_args(AppArgs.model_validate(args))
@@ -103,14 +104,14 @@ def test_model_names_resolve_served_names_adapters_and_dynamic_names() -> None:
 
 
 def test_ranks_map_to_entries_in_order_and_wrap() -> None:
-    from service.multi_model import entry_for_rank
+    from service.app.multi import entry_for_rank
 
     assert [entry_for_rank(r, [2, 1, 3]) for r in range(8)] == [0, 0, 1, 2, 2, 2, 0, 0]
 
 
 def test_entries_with_the_same_replica_options_make_one_deployment_else_the_front() -> None:
     from service.app import AppArgs
-    from service.multi_model import model_args, why_not_one_deployment
+    from service.app.multi import model_args, why_not_one_deployment
 
     def reason(args: dict[str, Any]) -> str | None:
         return why_not_one_deployment(model_args(AppArgs.model_validate(args)))
@@ -134,7 +135,7 @@ def test_a_post_for_another_model_is_forwarded_and_every_other_request_reaches_t
     came (in pieces, or cut by the client); another entry's POST goes to `forward` with its body."""
     from starlette.responses import PlainTextResponse
 
-    from service.multi_model import ForwardOtherModels
+    from service.app.multi import ForwardOtherModels
     from service.routing.model_names import ModelNames, ServedModel
 
     seen: list[tuple[str, bytes, str]] = []
@@ -200,7 +201,7 @@ def test_the_forwarded_request_gets_the_edge_answer_and_a_cancel_aborts(ckpts: d
 
     from tests.support.in_process import edge_app
     from model.config import EngineConfig
-    from model.engine.engine import Engine
+    from model.engine.builder import build_engine
     from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 
     def fwd(body: dict[str, Any], path: str = "/v1/completions") -> ForwardedRequest:
@@ -208,7 +209,7 @@ def test_the_forwarded_request_gets_the_edge_answer_and_a_cancel_aborts(ckpts: d
         return ForwardedRequest("POST", path, b"", [(b"content-type", b"application/json")], raw)
 
     async def main() -> tuple[Any, ...]:
-        engine = Engine(str(ckpts["transformer"]), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu")
+        engine = build_engine(str(ckpts["transformer"]), EngineConfig(num_kv_blocks=64, max_num_seqs=4), device="cpu")
         body = {"prompt": "hello", **GREEDY}
         async with edge_app(engine, "tiny") as app:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
@@ -305,40 +306,49 @@ class TestAdapterRouting:
         n = 8
         for i in range(n):  # distinct first blocks: no shared prefix to route by, only the adapter
             complete(url, "a", f"{i} question about adapters, number {i}")
-        got = wait_until(lambda: (c := per_replica("ray_qkv_lora_requests_total", lora_name="a")).total() >= n and c,
-                         30, "the adapter's requests on Ray's metrics endpoint")
-        assert sorted(v for v in got.values() if v > 0) == [n], got  # one replica ran them all
+        picks = adapter_picks("a", n)
+        # The first finds no replica holding "a" (by load); every later one goes to a holder.
+        assert [p["why"] for p in picks] == ["load"] + ["adapter"] * (n - 1), picks
+        assert_one_replica_unless_haproxy_balanced(picks, "a")
 
     def test_a_burst_for_a_new_dynamic_adapter_loads_it_on_one_replica(self, url: str) -> None:
-        # An earlier load (the test before loads `a` on first use) reaches Ray's endpoint only on the
-        # replicas' next 2 s refresh: let it land before the baseline, or it counts as this burst's.
-        time.sleep(2 * GAUGE_REFRESH_S + METRICS_INTERVAL_MS / 1000)
-        loads_before = per_replica("ray_qkv_lora_adapter_loads_total")
+        """Six requests at once for an adapter no replica holds: the router remembers its first pick,
+        so the other five go to that replica (which loads the adapter once) before it reports it."""
         prompts = [f"{i}: a burst for an adapter nobody holds yet" for i in range(6)]
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             outs = list(pool.map(lambda p: complete(url, "tiny:c", p), prompts))
         assert all(o["model"] == "tiny:c" for o in outs)
-
-        def served() -> Counter[str] | None:
-            c = per_replica("ray_qkv_lora_requests_total", lora_name="tiny:c")
-            return c if c.total() >= len(prompts) else None
-
-        by_replica = wait_until(served, 30, "the burst on Ray's metrics endpoint")
-        assert len([v for v in by_replica.values() if v > 0]) == 1, by_replica
-
-        def loads() -> Counter[str]:
-            grown = per_replica("ray_qkv_lora_adapter_loads_total")
-            grown.subtract(loads_before)
-            return grown
-
-        # The loads counter follows the engine's total on the replicas' 2 s refresh: wait for the first
-        # load, then two more refreshes, so that a load on the other replica would show too.
-        wait_until(lambda: loads().total() >= 1, 30, "the adapter load on Ray's metrics endpoint")
-        time.sleep(2 * GAUGE_REFRESH_S + METRICS_INTERVAL_MS / 1000)
-        grown = loads()
-        assert sorted(v for v in grown.values() if v > 0) == [1], grown  # c was loaded once, on one replica
+        picks = adapter_picks("tiny:c", len(prompts))
+        # Picks are recorded as they return, not in the router's order: count the reasons.
+        assert Counter(p["why"] for p in picks) == {"load": 1, "adapter": len(prompts) - 1}, picks
+        assert_one_replica_unless_haproxy_balanced(picks, "tiny:c")
         listed = {m["id"]: m.get("parent") for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]}
         assert listed.get("a") == "tiny"
+
+
+def adapter_picks(lora: str, n: int) -> list[dict[str, Any]]:
+    """The router's record of its picks for requests under `lora`, once all `n` are in: what it
+    chose and why, whatever HAProxy then did with the answer."""
+    def picks() -> list[dict[str, Any]] | None:
+        got = [p for p in router_picks() if p["lora"] == lora]
+        return got if len(got) >= n else None
+
+    got = wait_until(picks, 60, f"the router's record of the picks for {lora!r}")
+    assert len(got) == n, got
+    return got
+
+
+def assert_one_replica_unless_haproxy_balanced(picks: list[dict[str, Any]], lora: str) -> None:
+    """All picks chose one replica, unless a request ran where it was not picked for: under load
+    HAProxy may give up waiting for the router and balance by itself, after which the other replica
+    holds the adapter too and is rightly a candidate (Ray's `replica` label is the id's last part)."""
+    picked = Counter(p["replica_id"].rsplit("#", 1)[1] for p in picks)
+    ran = wait_until(lambda: (c := per_replica("ray_qkv_lora_requests_total", lora_name=lora)).total() >= len(picks)
+                     and c, 60, f"the requests for {lora!r} on Ray's metrics endpoint")
+    assert ran.total() == len(picks), ran  # each request ran once
+    assert set(+ran) | set(picked) <= engine_replica_ids(), (ran, picked)  # one way of naming replicas
+    if +ran == picked:  # each ran where the router sent it
+        assert len(picked) == 1, (picked, picks)
 
 
 ONE_DEPLOYMENT, FRONT = "one deployment", "front"

@@ -26,17 +26,28 @@ from tests.support.paths import REPO
 pytestmark = pytest.mark.slow
 
 SLOW = "SLOW-EXPORT"  # a prompt with it: the prefill replica sleeps before handing its blocks over
+# ...this long: the test's kill lands inside it however loaded the machine (a hang bound), and a
+# kill that missed would show (under prefill_timeout_s, the transfer would then succeed).
+SLOW_EXPORT_S = 25.0
 PROMPT = "Disaggregated serving: the prefill deployment computes this prompt once. " * 2
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe) -> Iterator[tuple[str, str]]:
+def export_started(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Created by the prefill replica as it begins its slow export (`fault_injection.SlowExport`)."""
+    return tmp_path_factory.mktemp("pd-export") / "started"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory, shared_serve: SharedServe,
+            export_started: Path) -> Iterator[tuple[str, str]]:
     ckpt = str(write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny"))
     (app,) = yaml.safe_load((REPO / "deploy" / "serve-pd.yaml").read_text())["applications"]
     args = app["args"] | {"model": ckpt, "prefill_min_tokens": 32, "max_num_seqs": 4, "num_kv_blocks": 64,
                           "engine_num_cpus": 0.5, "prefill_num_cpus": 0.5, "torch_threads": 1, "prefill_timeout_s": 30}
     assert args["prefill_replicas"] == 1 and args["num_replicas"] == 1
-    with shared_serve(args, slow_export_marker=SLOW) as url:
+    with shared_serve(args, slow_export_marker=SLOW, slow_export_s=SLOW_EXPORT_S,
+                      slow_export_started=str(export_started)) as url:
         yield url, ckpt
 
 
@@ -82,13 +93,14 @@ def test_a_prompt_prefilled_elsewhere_decodes_to_the_colocated_text(service: tup
     assert cached(complete(url, "short")) == 0
 
 
-def test_a_prefill_replica_killed_mid_transfer_costs_the_request_nothing(service: tuple[str, str]) -> None:
+def test_a_prefill_replica_killed_mid_transfer_costs_the_request_nothing(service: tuple[str, str],
+                                                                        export_started: Path) -> None:
     url, ckpt = service
     prompt = f"{SLOW} " + PROMPT
     got: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: got.update(complete(url, prompt)))
     worker.start()
-    time.sleep(2.0)  # the prefill replica is asleep in its export (5 s): kill it there
+    wait_until(export_started.exists, 60, "the prefill replica to be asleep in its export")  # kill it there
     victims = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if a["name"].startswith("SERVE_REPLICA::qkv#Prefill#")]
     assert len(victims) == 1

@@ -1,6 +1,7 @@
 """Prefix caching end to end on real Ray Serve with two engine replicas: `cached_tokens` in the
 usage (stream and not), the hit counter on Ray's metrics endpoint, and the prefix-aware router
-sending a shared prefix to one replica while unrelated traffic spreads over both."""
+sending a shared prefix to one replica while unrelated traffic is balanced by load (the router's
+own record of its picks)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support.serve_fixtures import scrape, send_completion, serve_on_local_ray, wait_until, write_tiny_model
+from tests.support.serve_fixtures import engine_replica_ids, router_picks, scrape, send_completion, \
+    serve_on_local_ray, wait_until, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -83,14 +85,43 @@ def test_the_second_request_with_a_long_prompt_reports_cached_tokens(url: str) -
 
 
 def test_a_shared_prefix_lands_on_one_replica_and_unrelated_traffic_spreads(url: str) -> None:
+    """From the router's own record of its picks: after the first, every request with the shared
+    prefix goes to the replica that computed it, and unrelated requests are balanced by load (two
+    random candidates, the less busy first: tests/service/routing/test_prefix_router.py). Where
+    the requests ran, and so the cache hits, follows the picks unless HAProxy gave up waiting for
+    the router and balanced by itself (it may, under load): checked whenever it did not."""
     # Start from settled counters: every hit so far (the engine counts what the responses report).
     hits_before = wait_until(lambda: (c := per_replica("ray_qkv_prefix_cache_hits_total")).total() == CACHED_SO_FAR[0]
-                             and c, 30, "the earlier hits on Ray's metrics endpoint")
+                             and c, 60, "the earlier hits on Ray's metrics endpoint")
     served_before = wait_until(lambda: (c := per_replica("ray_qkv_request_success_total")).total() == SENT[0]
-                               and c, 30, "the earlier requests on Ray's metrics endpoint")
+                               and c, 60, "the earlier requests on Ray's metrics endpoint")
+    picked_before = len(router_picks())  # the module sends far fewer than the record keeps
     n_shared = 6
     usages = [complete(url, f"{SYSTEM}Question {i}: when do you open?") for i in range(n_shared)]
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    prompts = [f"#{i:02d}: an unrelated request about something else" for i in range(12)]  # no shared block
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        list(pool.map(lambda p: send_completion(url, p, 16, stream=False), prompts))
+
+    picks = wait_until(lambda: p[picked_before:] if len(p := router_picks()) >= picked_before + n_shared + len(prompts)
+                       else None, 60, "the router's record of the picks")
+    assert len(picks) == n_shared + len(prompts), picks
+    shared, unrelated = picks[:n_shared], picks[n_shared:]
+    assert [p["why"] for p in shared] == ["load"] + ["prefix"] * (n_shared - 1), shared
+    assert [p["why"] for p in unrelated] == ["load"] * len(prompts), unrelated
+
+    def served() -> Counter[str] | None:
+        grown = per_replica("ray_qkv_request_success_total")
+        grown.subtract(served_before)
+        return grown if grown.total() >= n_shared + len(prompts) else None
+
+    ran = wait_until(served, 60, "the finished requests on Ray's metrics endpoint")
+    assert ran.total() == n_shared + len(prompts), ran  # each request ran once
+    picked = Counter(p["replica_id"].rsplit("#", 1)[1] for p in picks)
+    assert set(+ran) | set(picked) <= engine_replica_ids(), (ran, picked)  # one way of naming replicas
+    if +ran != picked:
+        return  # HAProxy balanced some by itself: where they ran says nothing about the router
+    assert len({p["replica_id"] for p in shared}) == 1, shared  # the prefix's picks: one replica
     assert cached >= (n_shared - 1) * (len(SYSTEM) // BLOCK) * BLOCK
 
     def counted() -> Counter[str] | None:
@@ -98,17 +129,5 @@ def test_a_shared_prefix_lands_on_one_replica_and_unrelated_traffic_spreads(url:
         grown.subtract(hits_before)
         return grown if grown.total() >= cached else None
 
-    grown = wait_until(counted, 30, "the prefix hits on Ray's metrics endpoint")
+    grown = wait_until(counted, 60, "the prefix hits on Ray's metrics endpoint")
     assert sorted(v for v in grown.values() if v > 0) == [cached], grown  # one replica got every hit
-
-    prompts = [f"#{i:02d}: an unrelated request about something else" for i in range(12)]  # no shared block
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        list(pool.map(lambda p: send_completion(url, p, 16, stream=False), prompts))
-
-    def spread() -> Counter[str] | None:
-        served = per_replica("ray_qkv_request_success_total")
-        served.subtract(served_before)
-        return served if served.total() >= n_shared + len(prompts) else None
-
-    served = wait_until(spread, 30, "the finished requests on Ray's metrics endpoint")
-    assert len([v for v in served.values() if v > 0]) == 2, served  # both replicas served

@@ -5,15 +5,15 @@ body limits and the step-fault injector of tests/support/fault_injection.py. Its
 (about a minute for 4,000 tokens on a CPU) that a long request is still running when the test
 acts on it. The disruptive tests (a failing engine step, a killed replica) run last.
 
-Bounds the tests state: a request in flight when its replica dies ends within KILL_ERROR_S;
-the service answers again within RECOVERY_S; every client read gives up after CLIENT_TIMEOUT_S;
-a stalled engine step fails /health within STALL_TIMEOUT_S + STALL_DETECT_S.
+Bounds the tests state (hang bounds, far above the normal times): a request in flight when its
+replica dies ends with an error, never with a client read that gave up after CLIENT_TIMEOUT_S;
+the service answers again within RECOVERY_S; a stalled engine step fails /health within
+STALL_TIMEOUT_S + STALL_DETECT_S.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,8 +40,7 @@ REQUEST_TIMEOUT_S = 15.0
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
 CLIENT_TIMEOUT_S = 60.0
-KILL_ERROR_S = 30.0
-STALL_DETECT_S = 15.0
+STALL_DETECT_S = 60.0
 RECOVERY_S = 90.0
 LONG = {"prompt": "abc", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}  # far past the deadline
 REPLICA_PREFIX = "SERVE_REPLICA::qkv#EngineDeployment#"
@@ -132,7 +131,7 @@ def _stream_events(base_url: str, body: dict[str, Any]) -> tuple[int, list[Any]]
 
 def _assert_late_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     """A non-streamed request that failed: with `status` when it failed before its response
-    started, or as the error object in the body of a 200 that had started (service/http/api.py
+    started, or as the error object in the body of a 200 that had started (service/server/api.py
     HeldResponse: a request still running half a second after its first token starts its
     response, then sends a space every quarter second, so that a client that leaves is noticed)."""
     if r.status_code != 200:
@@ -274,7 +273,7 @@ def test_a_request_past_its_deadline_is_aborted_and_frees_its_blocks(base_url: s
     _assert_late_error(r, 504, "request_timeout")
     assert status == 200 and any(e["choices"][0]["text"] for e in events[:-2]), "no tokens before the deadline"
     assert f"{REQUEST_TIMEOUT_S:g} s" in _assert_stream_error(events, "request_timeout")["message"]
-    wait_until(_idle, 30, "the aborted requests' KV blocks to be freed")
+    wait_until(_idle, 60, "the aborted requests' KV blocks to be freed")
 
 
 def _stream_with_blocks_held(base_url: str) -> tuple[int, list[Any]]:
@@ -287,7 +286,7 @@ def _stream_with_blocks_held(base_url: str) -> tuple[int, list[Any]]:
             if line.startswith("data: "):
                 events.append(json.loads(line[len("data: "):]))
                 break
-        wait_until(lambda: _stats()["num_running"] == 2, 30, "both long requests to run")
+        wait_until(lambda: _stats()["num_running"] == 2, 60, "both long requests to run")
         assert _stats()["num_free_blocks"] < _stats()["num_total_blocks"]
         for line in lines:
             if line.startswith("data: "):
@@ -305,7 +304,7 @@ def test_an_engine_step_exception_errors_the_batch_and_the_replica_is_replaced(h
     with ThreadPoolExecutor(2) as pool:
         streamed = pool.submit(_stream_events, base_url, LONG)
         plain = pool.submit(_post, base_url, LONG)
-        wait_until(lambda: _stats()["num_running"] == 2, 30, "two requests in the batch")
+        wait_until(lambda: _stats()["num_running"] == 2, 60, "two requests in the batch")
         marked = http.post("/v1/completions", json={"prompt": f"{FAULT_MARKER} go", "max_tokens": 4})
         status, events = streamed.result()
         r = plain.result()
@@ -314,7 +313,7 @@ def test_an_engine_step_exception_errors_the_batch_and_the_replica_is_replaced(h
     _assert_late_error(r, 503)  # a 200 with the error when its response had started
     assert status == 200
     _assert_stream_error(events)
-    wait_until(lambda: health_status(base_url) == 503, 30, "/health to report the dead engine")
+    wait_until(lambda: health_status(base_url) == 503, 60, "/health to report the dead engine")
     wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "a replacement replica")
     after = _engine_replicas()
     assert after and after.isdisjoint(before), (before, after)
@@ -326,7 +325,7 @@ def test_a_stalled_engine_step_fails_health_and_its_requests_and_the_replica_is_
     before = _engine_replicas()
     with ThreadPoolExecutor(2) as pool:
         streamed = pool.submit(_stream_events, base_url, LONG)
-        wait_until(lambda: _stats()["num_running"] == 1, 30, "a request in the batch")
+        wait_until(lambda: _stats()["num_running"] == 1, 60, "a request in the batch")
         assert health_status(base_url) == 200  # a busy engine is not a stalled one
         marked = pool.submit(_post, base_url, {"prompt": f"{STALL_MARKER} go", "max_tokens": 4})
         # The next step never returns; the loop thread lives on. Both the HTTP check and
@@ -350,7 +349,7 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
     started gets a 5xx (HAProxy's 502/503, or the dying server's 500); a stream already started
     is cut short, so the client sees a broken stream (no [DONE], no finish), never a hang or a
     finished-looking answer; so is a non-streamed answer whose response had started (a held
-    response: service/http/api.py), whose body then ends before its JSON."""
+    response: service/server/api.py), whose body then ends before its JSON."""
     (victim,) = _engine_replicas()
     count = 6
 
@@ -370,10 +369,9 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
         futures = [pool.submit(stream, LONG) if i % 2 else pool.submit(post, LONG) for i in range(count)]
         wait_until(lambda: _stats()["num_running"] == count, 60, f"{count} requests in the batch")
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        killed_at = time.monotonic()
         outcomes = [f.result() for f in futures]  # each read gives up after CLIENT_TIMEOUT_S: no hang
-        ended_after = time.monotonic() - killed_at
-    assert ended_after < KILL_ERROR_S, f"in-flight requests took {ended_after:.0f}s to fail"
+    # Each ended with the replica, not by the client giving up (an httpx.ReadTimeout is neither
+    # of the errors allowed below) nor by running to its end (a finish or [DONE]).
     for outcome in outcomes:
         if isinstance(outcome, httpx.Response):
             assert 500 <= outcome.status_code < 600, outcome.text[:300]
@@ -390,5 +388,5 @@ def test_killing_the_engine_replica_fails_in_flight_requests_then_recovers(http:
                "Serve to replace the killed replica")
     wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
     _serves(http)
-    wait_until(_idle, 30, "the new replica to be idle")
+    wait_until(_idle, 60, "the new replica to be idle")
 

@@ -148,7 +148,7 @@ def test_auto_and_none_answer_in_text(client: openai.OpenAI) -> None:
 
 
 def test_tools_reach_a_chat_template_that_uses_them() -> None:
-    from service.http.chat_template import ChatTemplate
+    from service.openai.chat_template import ChatTemplate
     from service.openai.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS[:1]})

@@ -147,12 +147,12 @@ def _run(base_url: str, count: int, seed: int) -> list[Outcome]:
 
 def test_soak_mixed_traffic_no_5xx_kv_free_memory_flat(base_url: str) -> None:
     warmup = _run(base_url, WARMUP_REQUESTS, seed=1)
-    wait_until(_kv_free, 30, "the KV pool to be free after the warm-up")
+    wait_until(_kv_free, 60, "the KV pool to be free after the warm-up")
     engine = _engine_process()
     rss_warm = engine.memory_info().rss
 
     outcomes = _run(base_url, TOTAL_REQUESTS, seed=2)
-    wait_until(_kv_free, 30, "the KV pool to be completely free")
+    wait_until(_kv_free, 60, "the KV pool to be completely free")
     rss_end = engine.memory_info().rss
 
     assert len(outcomes) == TOTAL_REQUESTS

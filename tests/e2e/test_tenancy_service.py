@@ -98,7 +98,7 @@ def test_a_request_in_flight_on_one_replica_holds_the_tenants_concurrency_on_the
     assert "requests in flight" in err.value.body["message"]
     assert done.wait(120) and len("".join(text)) > 0
     # Released by the first replica's next report: the tenant is admitted again, here or there.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang bound: the next report normally comes within a second
     while True:
         try:
             assert complete(second, "key-b").usage.completion_tokens == 2

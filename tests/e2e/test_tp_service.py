@@ -4,14 +4,15 @@ completions and chat over HTTP equal to a TP=1 `LLM` in this process, the replic
 group and its two workers in Ray's state API, and a killed worker leading to 503s (never a
 hang), a failed check_health, and a replaced replica with a new group and new workers.
 
-Bounds the tests state: a request in flight when a worker dies ends within KILL_ERROR_S; a dead
-idle worker fails /health within DETECT_S (Serve's health check period is 5 s); the service
-answers again within RECOVERY_S.
+Bounds the tests state (hang bounds, far above the normal times): a request in flight when a
+worker dies ends with a 503 or an error event, never with a client read that gave up after
+CLIENT_TIMEOUT_S (half the workers' 60 s step deadline: the error is the death's, not the
+deadline's); a dead idle worker fails /health within DETECT_S (Serve's health check period is
+5 s); the service answers again within RECOVERY_S.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,8 +30,7 @@ from tests.support.tiny_models import torch_threads
 HTTP_PORT, DASHBOARD_PORT, METRICS_PORT = 18370, 18371, 18372
 MODEL = "tp"
 CLIENT_TIMEOUT_S = 30.0
-KILL_ERROR_S = 20.0
-DETECT_S = 20.0
+DETECT_S = 60.0
 RECOVERY_S = 60.0
 REPLICA_CLASS = "ServeReplica:qkv:EngineDeployment"
 
@@ -179,7 +179,7 @@ def _greedy(llm: Any, prompt: str | list[int], max_tokens: int = 12) -> str:
 
 def _assert_503(r: httpx.Response, started: bool = False) -> None:
     """A 503 in the OpenAI shape; `started`: a non-streamed answer whose response may have started
-    (service/http/api.py HeldResponse), which carries the error as the body of its 200 instead."""
+    (service/server/api.py HeldResponse), which carries the error as the body of its 200 instead."""
     assert r.status_code == 503 or (started and r.status_code == 200), r.text[:300]
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error", error
@@ -214,7 +214,7 @@ def _dead(actor_ids: list[str]) -> bool:
 def test_tensor_parallel_app_serves_completions_and_chat_equal_to_one_rank(base_url: str, checkpoint: Path) -> None:
     from tests.support.serve_fixtures import wait_until
 
-    group_id, bundles, workers = wait_until(_group, 30, "the placement group and its two workers")
+    group_id, bundles, workers = wait_until(_group, 60, "the placement group and its two workers")
     assert bundles == [{"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 0.5}]
     llm = _reference(checkpoint)
     for prompt in ("The cat", "Attention is all"):
@@ -235,22 +235,20 @@ def test_tensor_parallel_app_serves_completions_and_chat_equal_to_one_rank(base_
 def test_a_worker_killed_mid_request_gives_503s_and_a_new_group(base_url: str, checkpoint: Path) -> None:
     from tests.support.serve_fixtures import wait_until
 
-    group_id, _, workers = wait_until(_group, 30, "the placement group and its two workers")
+    group_id, _, workers = wait_until(_group, 60, "the placement group and its two workers")
     with ThreadPoolExecutor(2) as pool:
         streamed = pool.submit(_long_stream, base_url)
         plain = pool.submit(_completion, base_url, "abc", 4000)
-        wait_until(lambda: _running(2), 30, "two long requests in the batch")
+        wait_until(lambda: _running(2), 60, "two long requests in the batch")
         _kill(workers[0])
-        killed_at = time.monotonic()
+        # An httpx.ReadTimeout here (the stream's reads give up after CLIENT_TIMEOUT_S) would be a hang.
         r, (status, events) = plain.result(), streamed.result()
-        ended_after = time.monotonic() - killed_at
-    assert ended_after < KILL_ERROR_S, f"in-flight requests took {ended_after:.0f}s to fail"
     _assert_503(r, started=True)  # it ran past its first token before the kill
     assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
     _assert_503(_completion(base_url, "after the kill"))  # the next request too, not a hang
     new_id, _, new_workers = wait_until(lambda: _replaced(group_id), RECOVERY_S, "a new replica with a new group")
     assert set(new_workers).isdisjoint(workers)
-    wait_until(lambda: _dead(workers), 30, "the old group's workers to be gone (no leaked actors)")
+    wait_until(lambda: _dead(workers), 60, "the old group's workers to be gone (no leaked actors)")
     wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
     r = _completion(base_url, "The cat")
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _greedy(_reference(checkpoint), "The cat")
@@ -269,7 +267,7 @@ def test_a_worker_dead_while_idle_fails_check_health_and_the_replica_is_replaced
     assert set(new_workers).isdisjoint(workers)
     wait_until(lambda: health_status(base_url) == 200, RECOVERY_S, "the service to answer again")
     assert _completion(base_url, "The cat").status_code == 200
-    wait_until(lambda: _dead(workers), 30, "the old group's workers to be gone")
+    wait_until(lambda: _dead(workers), 60, "the old group's workers to be gone")
 
 
 def _kill(actor_id: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from model.engine.sequence import RequestOutput
@@ -60,14 +61,17 @@ class StepStallInjector(StepFaultInjector):
 class SlowExport:
     """Wraps an `Engine`: exporting the blocks of a prompt whose text contains `marker` (a prefill
     replica's side of a transfer) first sleeps `delay_s` on the step thread, long enough for a test
-    to kill the replica mid-transfer."""
+    to kill the replica mid-transfer; with `started`, that file is created as the sleep begins (the
+    replica runs on the test's machine), so the test waits for it instead of guessing when."""
 
-    def __init__(self, engine: Any, marker: str, delay_s: float) -> None:
-        self._engine, self._marker, self._delay_s = engine, marker, delay_s
+    def __init__(self, engine: Any, marker: str, delay_s: float, started: str | None = None) -> None:
+        self._engine, self._marker, self._delay_s, self._started = engine, marker, delay_s, started
 
     def export_prefix(self, prompt_token_ids: list[int], lora: str | None = None) -> Any:
         if self._marker in self._engine.tokenizer.decode(prompt_token_ids):
             logger.warning("injected delay: exporting a prompt with the marker after %.0f s", self._delay_s)
+            if self._started is not None:
+                Path(self._started).touch()
             time.sleep(self._delay_s)
         return self._engine.export_prefix(prompt_token_ids, lora)
 
@@ -76,12 +80,13 @@ class SlowExport:
 
 
 def inject(engine: Any, fault_marker: str | None = None, stall_marker: str | None = None,
-           slow_export_marker: str | None = None, slow_export_s: float = 5.0) -> Any:
+           slow_export_marker: str | None = None, slow_export_s: float = 5.0,
+           slow_export_started: str | None = None) -> Any:
     """The engine wrapped by the injectors whose markers are given (an `engine_wrapper`)."""
     if fault_marker:
         engine = StepFaultInjector(engine, fault_marker)
     if stall_marker:
         engine = StepStallInjector(engine, stall_marker)
     if slow_export_marker:
-        engine = SlowExport(engine, slow_export_marker, slow_export_s)
+        engine = SlowExport(engine, slow_export_marker, slow_export_s, slow_export_started)
     return engine

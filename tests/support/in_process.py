@@ -9,10 +9,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from service.http.api import IngressSettings, build_api
+from service.server.api import IngressSettings, build_api
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
-from service.replica.engine_deployment import EngineHost
+from service.host.engine_host import EngineHost
 
 
 class NullMetrics:

@@ -1,4 +1,4 @@
-"""The real HTTP edge (`service.http.api.build_api` over `OpenAIServing`) in front of a stand-in
+"""The real HTTP edge (`service.server.api.build_api` over `OpenAIServing`) in front of a stand-in
 engine, for tests of what the edge does (tokenizing, chat templates, defaults, routes) without
 Ray or a model: every engine call is recorded and answered with one finished token per request."""
 
@@ -12,7 +12,7 @@ from model.engine.sequence import RequestOutput, RequestTimes
 from model.loading.generation_config import GenerationConfig
 from service.engine.engine_loop import SubRequest
 from service.engine.model_info import ModelInfo
-from service.http.api import IngressSettings, build_api
+from service.server.api import IngressSettings, build_api
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
 

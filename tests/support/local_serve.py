@@ -65,14 +65,16 @@ def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
 
 @contextmanager
 def shared_service(args: dict[str, Any], step_fault_marker: str | None = None,
-                   step_stall_marker: str | None = None, slow_export_marker: str | None = None) -> Iterator[str]:
+                   step_stall_marker: str | None = None, slow_export_marker: str | None = None,
+                   slow_export_s: float = 5.0, slow_export_started: str | None = None) -> Iterator[str]:
     """Deploy the application for `args` as app "qkv" on the session's shared local Ray + Serve
     (`SHARED_NUM_CPUS` CPUs, no dashboard, no metrics port; started here on first use); yields the
     base URL. On exit the app is deleted and its replicas are gone, whatever happened, so the next
     module starts from an empty Serve. The fault markers are those of `local_service`; with
-    `slow_export_marker`, a prefill replica exporting such a prompt's blocks sleeps first
-    (`fault_injection.SlowExport`)."""
-    wrapper = _engine_wrapper(step_fault_marker, step_stall_marker, slow_export_marker)
+    `slow_export_marker`, a prefill replica exporting such a prompt's blocks sleeps `slow_export_s`
+    first, creating the file `slow_export_started` as it begins (`fault_injection.SlowExport`)."""
+    wrapper = _engine_wrapper(step_fault_marker, step_stall_marker, slow_export_marker, slow_export_s,
+                              slow_export_started)
     if not _shared:
         _start_ray_and_serve(SHARED_HTTP_PORT, SHARED_NUM_CPUS, None, 0)
         _shared["url"] = f"http://127.0.0.1:{SHARED_HTTP_PORT}"
@@ -118,13 +120,15 @@ def _wait(done: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 
 def _engine_wrapper(step_fault_marker: str | None, step_stall_marker: str | None,
-                    slow_export_marker: str | None = None) -> Any:
+                    slow_export_marker: str | None = None, slow_export_s: float = 5.0,
+                    slow_export_started: str | None = None) -> Any:
     if not (step_fault_marker or step_stall_marker or slow_export_marker):
         return None
     # The replica cannot import tests/: ship the injectors' code inside the pickle.
     ray.cloudpickle.register_pickle_by_value(fault_injection)
     return functools.partial(fault_injection.inject, fault_marker=step_fault_marker, stall_marker=step_stall_marker,
-                             slow_export_marker=slow_export_marker)
+                             slow_export_marker=slow_export_marker, slow_export_s=slow_export_s,
+                             slow_export_started=slow_export_started)
 
 
 def _start_ray_and_serve(http_port: int, num_cpus: float, metrics_port: int | None, metrics_interval_ms: int) -> None:

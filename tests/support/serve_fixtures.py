@@ -10,47 +10,29 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import requests
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # loadtests/ is not installed
 
-from loadtests.openai_workload import RequestResult, read_json, read_stream  # noqa: E402
+from loadtests.lib.openai_workload import RequestResult, read_json, read_stream  # noqa: E402
+
+from tests.support.polling import wait_until  # noqa: E402  (the e2e tests import it from here too)
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # Fast metrics for tests: Ray's default report interval is 10 s.
 METRICS_INTERVAL_MS = 1000
 TINY_MODEL = {"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_position": 256}
-
-
-def in_ci() -> bool:
-    """True under CI, where a missing external tool is a failure, not a skip."""
-    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-
-
-def wait_until(probe: Callable[[], T | None], timeout_s: float, what: str, every_s: float = 0.5) -> T:
-    """Poll `probe` until it returns something other than None (or False); fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last is not None and last is not False:
-            return last
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last value: {last!r})")
 
 
 def write_tiny_model(path: Path) -> Path:
@@ -184,3 +166,24 @@ def engine_replica_ports() -> list[int]:
         return []
     backend = config.read_text().split("backend http-qkv\n", 1)[-1].split("\nbackend ", 1)[0]
     return [int(port) for port in re.findall(r"server SERVE_REPLICA_qkv-EngineDeployment-\S+ [\d.]+:(\d+)", backend)]
+
+
+def router_picks(app_name: str = "qkv") -> list[dict[str, Any]]:
+    """The prefix router's own record of its latest picks, oldest first (`PrefixRoute.recent_picks`:
+    each request's model and adapter, the replica chosen and why): what a routing test checks,
+    rather than where requests landed, which depends on load (HAProxy balances by itself when the
+    router is slow to answer)."""
+    from ray import serve
+
+    router = serve.get_deployment_handle("PrefixRoute", app_name=app_name)
+    return router.recent_picks.remote().result(timeout_s=30)
+
+
+def engine_replica_ids(app_name: str = "qkv") -> set[str]:
+    """The unique ids of the app's live engine replicas: the `replica` label of their metrics on
+    Ray's endpoint, and the last part of a `router_picks` replica_id."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#EngineDeployment#"
+    return {a["name"].removeprefix(prefix) for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}

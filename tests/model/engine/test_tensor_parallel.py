@@ -18,6 +18,8 @@ import signal
 import pytest
 import torch
 
+from tests.support.requirements import need_module
+
 ray = need_module("ray")
 
 from model import LLM, SamplingParams  # noqa: E402
@@ -25,7 +27,6 @@ from model.config import EngineConfig  # noqa: E402
 from model.engine.parallel import WorkerDiedError  # noqa: E402
 from tests.support.local_serve import write_tiny_checkpoint  # noqa: E402
 from tests.support.tiny_models import save_tiny_gpt2, write_tiny_llama  # noqa: E402
-from tests.support.requirements import need_module
 
 BLOCK = 8
 NUM_BLOCKS = 24  # the batch of 16 below needs about 40: it is preempted

@@ -21,12 +21,13 @@ import pytest
 import torch
 
 from model.config import EngineConfig
-from model.engine.embedder import shorten
 from model.engine.builder import build_engine
+from model.engine.embedder import shorten
 from model.engine.engine import Engine
 from model.loading.pooling_config import PoolingConfig, read_pooling_config
 from model.sampling.request_checks import RequestError
 from tests.support.in_process import edge_app
+from tests.support.requirements import need_module
 from tests.support.tiny_models import EOS_TOKEN, build_tokenizer, torch_threads, write_tiny_llama
 
 st = need_module("sentence_transformers")
@@ -34,7 +35,6 @@ from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
 
 from tests.support.local_serve import SharedServe  # noqa: E402
-from tests.support.requirements import need_module
 
 VOCAB, HIDDEN = 301, 64
 TEXTS = ["The cat sat on the mat.", "hello", "Embeddings are vectors of one length for texts of any length."]

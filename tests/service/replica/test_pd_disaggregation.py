@@ -136,7 +136,7 @@ def test_the_decode_replicas_client_counts_each_outcome_and_prefills_itself_on_f
                         return Connector().send(prefill.engine.export_prefix(prompt, lora))
                     return call()
 
-        client = RemotePrefill(Handle(), host, min_tokens=32, timeout_s=5, connector=Connector())
+        client = RemotePrefill(Handle(), host, min_tokens=32, timeout_s=60, connector=Connector())
         requests = [SubRequest(f"r{i}", prompts[0], SamplingParams(), mm=mm) for i in range(2)]  # n=2: one prompt
         await client.fetch(requests + [SubRequest("short", [1, 2, 3], SamplingParams())])
         return metrics

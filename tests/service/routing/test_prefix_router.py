@@ -166,6 +166,36 @@ def test_a_burst_for_a_new_adapter_stays_on_one_replica(route_by_prefix: bool) -
     asyncio.run(scenario())
 
 
+def test_a_pick_only_call_is_told_why_its_replica_was_chosen() -> None:
+    """`RoutingPrompt.picked_by`: what service/routing/prefix_route.py records for each request (the
+    end-to-end adapter test reads it): "load" with nothing known, "adapter" for a replica holding
+    the adapter, "prefix" for the replica that computed the leading blocks; by load again once the
+    holder is past the imbalance threshold."""
+    from service.routing.router import RoutingPrompt
+
+    async def scenario() -> None:
+        r = router(imbalance_threshold=2)
+        a, b = both = replicas("a", "b")
+
+        async def why(prompt: list[int], lora: str | None = None) -> tuple[str, str]:
+            argument = RoutingPrompt(prompt, lora)
+            ranks = await r.choose_replicas(both, SimpleNamespace(args=[argument], kwargs={},
+                                                                  metadata=SimpleNamespace(internal_request_id="x")))
+            (reason,) = argument.picked_by
+            return reason, ranks[0][0].replica_id.unique_id
+
+        reason, first = await why([1, 2, 3, 4, 5], lora="x")
+        assert reason == "load"
+        assert await why([9, 9, 9, 9, 9], lora="x") == ("adapter", first)  # another prompt, the same adapter
+        assert await why([1, 2, 3, 4, 6], lora="x") == ("prefix", first)  # its first block under "x"
+        assert (await why([7, 7, 7, 7, 7]))[0] == "load"  # the base model, a new prefix
+        holder = a if first == "a" else b
+        holder.routing_stats = {"num_requests": 3, "lora_adapters": ["x"]}  # 3 above the other (threshold 2)
+        assert await why([8, 8, 8, 8, 8], lora="x") == ("load", (b if holder is a else a).replica_id.unique_id)
+
+    asyncio.run(scenario())
+
+
 def test_without_prefix_routing_a_shared_prefix_routes_by_load() -> None:
     async def scenario() -> None:
         r = router(route_by_prefix=False)
@@ -177,7 +207,7 @@ def test_without_prefix_routing_a_shared_prefix_routes_by_load() -> None:
 
 
 def test_a_call_that_names_a_model_goes_to_that_models_replicas_only() -> None:
-    """A multi-model deployment (service/multi_model.py): a pick or a `ToModel` call chooses among the
+    """A multi-model deployment (service/app/multi.py): a pick or a `ToModel` call chooses among the
     replicas whose metadata names the model, by prefix within them (chained per model, so two models
     with the same tokenizer never share an owner), and none is chosen while the model has none."""
     from service.routing.router import RoutingPrompt, ToModel
