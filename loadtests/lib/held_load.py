@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -148,15 +149,26 @@ async def _streams(url: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
         return await asyncio.gather(*(_stream(client, _body(i, max_tokens)) for i in range(n)))
 
 
-def held_streams(url: str, n: int, max_tokens: int, stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def held_streams(url: str, n: int, max_tokens: int, stats: Callable[[], dict[str, Any]],
+                 gate: Path | None = None, gate_timeout_s: float = 300.0) -> dict[str, Any]:
     """`n` concurrent streams at once; what they got, and the replica's usage before, at its peak
-    and after."""
+    and after. With `gate` (a file the replica's engine computes nothing while it exists, as a
+    test's engine wrapper does), the file is created first and removed once a sample shows the
+    engine holding all `n` requests (or after `gate_timeout_s`): every stream is then held at
+    once by construction, whatever the machine's load."""
     proc = replica_process()
     wait_idle(stats)
     before = process_usage(proc) | {"tcp": tcp_connections(proc)}
     t0 = time.monotonic()
     with Sampler(proc, stats) as sampler:
+        opener = None
+        if gate is not None:
+            gate.touch()
+            opener = threading.Thread(target=_open_when_held, args=(gate, sampler, n, gate_timeout_s), daemon=True)
+            opener.start()
         results = asyncio.run(_streams(url, n, max_tokens))
+        if opener is not None:
+            opener.join()
     secs = time.monotonic() - t0
     after_stats = wait_idle(stats)
     after = settle(proc, before["open_fds"])
@@ -172,6 +184,14 @@ def held_streams(url: str, n: int, max_tokens: int, stats: Callable[[], dict[str
             "all_sent_before_any_ended": last_sent < first_end,
             "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "ttft_max_s": ttft[-1] if ttft else None,
             "before": before, "peak": sampler.peak, "after": after, "engine_after": after_stats}
+
+
+def _open_when_held(gate: Path, sampler: Sampler, n: int, timeout_s: float) -> None:
+    """Remove `gate` once the sampler has seen the engine hold `n` requests, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while sampler.peak["engine_requests"] < n and time.monotonic() < deadline:
+        time.sleep(sampler.every_s)
+    gate.unlink(missing_ok=True)
 
 
 async def _soak(url: str, seconds: float, clients: int, max_tokens: int, disconnect: float,

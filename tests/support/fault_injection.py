@@ -10,6 +10,7 @@ Serve replaces the replica. `tests/support/local_serve.py` hands it to the engin
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,25 @@ class StepStallInjector(StepFaultInjector):
         return self._engine.step()
 
 
+class StepGate:
+    """Wraps an `Engine`: while the file `path` exists, `step()` computes nothing (the loop still
+    takes new requests and aborts between its calls), so a test can have a whole burst held by the
+    engine before its first token, known by the engine's state rather than by timing; deleting
+    the file lets the steps run."""
+
+    def __init__(self, engine: Any, path: str) -> None:
+        self._engine, self._path = engine, path
+
+    def step(self) -> list[RequestOutput]:
+        if os.path.exists(self._path):
+            time.sleep(0.05)
+            return []
+        return self._engine.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
 class SlowExport:
     """Wraps an `Engine`: exporting the blocks of a prompt whose text contains `marker` (a prefill
     replica's side of a transfer) first sleeps `delay_s` on the step thread, long enough for a test
@@ -81,12 +101,14 @@ class SlowExport:
 
 def inject(engine: Any, fault_marker: str | None = None, stall_marker: str | None = None,
            slow_export_marker: str | None = None, slow_export_s: float = 5.0,
-           slow_export_started: str | None = None) -> Any:
-    """The engine wrapped by the injectors whose markers are given (an `engine_wrapper`)."""
+           slow_export_started: str | None = None, step_gate: str | None = None) -> Any:
+    """The engine wrapped by the injectors whose markers (or gate file) are given (an `engine_wrapper`)."""
     if fault_marker:
         engine = StepFaultInjector(engine, fault_marker)
     if stall_marker:
         engine = StepStallInjector(engine, stall_marker)
     if slow_export_marker:
         engine = SlowExport(engine, slow_export_marker, slow_export_s, slow_export_started)
+    if step_gate:
+        engine = StepGate(engine, step_gate)
     return engine

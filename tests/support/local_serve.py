@@ -43,7 +43,8 @@ _shared: dict[str, str] = {}  # "url" while the shared Ray + Serve runs
 @contextmanager
 def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
                   metrics_port: int | None = None, metrics_interval_ms: int = 1000,
-                  step_fault_marker: str | None = None, step_stall_marker: str | None = None) -> Iterator[str]:
+                  step_fault_marker: str | None = None, step_stall_marker: str | None = None,
+                  step_gate: str | None = None) -> Iterator[str]:
     """Run the application for `args` on a new local Ray (never an existing cluster); yields
     the base URL.
 
@@ -51,10 +52,11 @@ def local_service(args: dict[str, Any], http_port: int, num_cpus: float = 2,
     metrics are reported every `metrics_interval_ms` (Ray's private settings: fine in tests).
     With `step_fault_marker`, a prompt containing it makes the engine step raise
     (`fault_injection.StepFaultInjector`); with `step_stall_marker`, such a prompt makes the step
-    hang (`fault_injection.StepStallInjector`). Both may be given.
+    hang (`fault_injection.StepStallInjector`). With `step_gate`, the engine computes nothing while
+    that file exists (`fault_injection.StepGate`). Any of them may be given.
     """
     stop_shared_service()  # one Ray per process: this one is the caller's own
-    wrapper = _engine_wrapper(step_fault_marker, step_stall_marker)
+    wrapper = _engine_wrapper(step_fault_marker, step_stall_marker, step_gate=step_gate)
     _start_ray_and_serve(http_port, num_cpus, metrics_port, metrics_interval_ms)
     try:
         serve.run(compose_app(AppArgs.model_validate(args), engine_wrapper=wrapper), name=APP_NAME, route_prefix="/")
@@ -121,14 +123,14 @@ def _wait(done: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 def _engine_wrapper(step_fault_marker: str | None, step_stall_marker: str | None,
                     slow_export_marker: str | None = None, slow_export_s: float = 5.0,
-                    slow_export_started: str | None = None) -> Any:
-    if not (step_fault_marker or step_stall_marker or slow_export_marker):
+                    slow_export_started: str | None = None, step_gate: str | None = None) -> Any:
+    if not (step_fault_marker or step_stall_marker or slow_export_marker or step_gate):
         return None
     # The replica cannot import tests/: ship the injectors' code inside the pickle.
     ray.cloudpickle.register_pickle_by_value(fault_injection)
     return functools.partial(fault_injection.inject, fault_marker=step_fault_marker, stall_marker=step_stall_marker,
                              slow_export_marker=slow_export_marker, slow_export_s=slow_export_s,
-                             slow_export_started=slow_export_started)
+                             slow_export_started=slow_export_started, step_gate=step_gate)
 
 
 def _start_ray_and_serve(http_port: int, num_cpus: float, metrics_port: int | None, metrics_interval_ms: int) -> None:

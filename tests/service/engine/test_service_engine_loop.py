@@ -327,7 +327,7 @@ STEP_THREAD_OMP = """
 import asyncio, ctypes, sys
 import torch
 from model.config import EngineConfig
-from model.engine.engine import Engine
+from model.engine.builder import build_engine
 from service.engine.engine_loop import EngineLoop
 
 torch.set_num_threads(2)  # as the replica does, on its own thread, before the loop starts
