@@ -7,25 +7,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from tests.support.docs_generator import load_generate
 from tests.support.paths import REPO
 
-
-def _load(name: str, path: Path) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-generate = _load("qkv_docs_generate", REPO / "docs" / "generate.py")
+generate = load_generate()
 
 MINIMAL = {  # the smallest valid body of each request model
     "completions": {"prompt": "The cat"},

@@ -6,26 +6,15 @@ A page that differs fails with the command that rewrites it (`python docs/genera
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.support.docs_generator import load_generate
 from tests.support.paths import REPO
 
-
-def _load(name: str, path: Path) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-generate = _load("qkv_docs_generate", REPO / "docs" / "generate.py")
+generate = load_generate()
 
 
 def test_every_generated_part_of_the_docs_is_current() -> None:

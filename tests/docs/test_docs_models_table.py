@@ -5,23 +5,12 @@ left in float, tensor parallelism for the dense families only)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
-from tests.support.paths import REPO
+from tests.support.docs_generator import load_generate
 
 
-def _load(name: str, path: Path) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-generate = _load("qkv_docs_generate", REPO / "docs" / "generate.py")
+generate = load_generate()
 
 
 def features() -> dict[str, Any]:

@@ -15,29 +15,18 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import inspect
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from tests.support.docs_generator import load_generate
 from tests.support.paths import REPO
 
-
-
-def _load(name: str, path: Path) -> Any:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-generate = _load("qkv_docs_generate", REPO / "docs" / "generate.py")
+generate = load_generate()
 results = generate.results_module()
 
 

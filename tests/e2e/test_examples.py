@@ -25,9 +25,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.chat_tokenizers import generation_eos_ids, write_chat_tokenizer
+from tests.support.chat_tokenizers import write_tiny_qwen3_chat
 from tests.support.local_serve import SharedServe
-from tests.support.tiny_models import torch_threads, write_tiny_llama
+from tests.support.tiny_models import torch_threads
 from tests.support.vision_models import save_tiny_qwen2_vl
 
 pytestmark = pytest.mark.slow
@@ -90,12 +90,7 @@ def test_offline_generate_prints_what_llm_generates() -> None:
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 with the Qwen3-style chat template: Hermes calls, `<think>` reasoning."""
     directory = tmp_path_factory.mktemp("qwen3") / "tiny"
-    write_chat_tokenizer(directory, "qwen3", vocab_size=VOCAB)
-    eos = generation_eos_ids(directory, "qwen3")
-    write_tiny_llama(directory, arch="qwen3", with_tokenizer=False, vocab_size=VOCAB + 8,
-                     max_position_embeddings=1024, eos_token_id=eos[0], head_dim=16)
-    write_chat_tokenizer(directory, "qwen3", vocab_size=VOCAB)  # save_pretrained leaves the tokenizer alone
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    write_tiny_qwen3_chat(directory, VOCAB)
     assert json.loads((directory / "config.json").read_text())["hidden_size"] == HIDDEN_SIZE
     return directory
 

@@ -15,9 +15,8 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.support.chat_tokenizers import generation_eos_ids, write_chat_tokenizer
+from tests.support.chat_tokenizers import write_tiny_qwen3_chat
 from tests.support.local_serve import SharedServe
-from tests.support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +37,7 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("qwen3") / "tiny"
-    write_chat_tokenizer(directory, "qwen3", vocab_size=VOCAB)
-    eos = generation_eos_ids(directory, "qwen3")
-    write_tiny_llama(directory, arch="qwen3", with_tokenizer=False, vocab_size=VOCAB + 8,
-                     max_position_embeddings=1024, eos_token_id=eos[0], head_dim=16)
-    write_chat_tokenizer(directory, "qwen3", vocab_size=VOCAB)  # save_pretrained leaves the tokenizer alone
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    write_tiny_qwen3_chat(directory, VOCAB)
     return directory
 
 

@@ -361,3 +361,18 @@ def generation_eos_ids(directory: str | Path, style: str) -> list[int]:
 
     tok = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     return [tok.token_to_id(t) for t in STYLES[style]["generation_eos"]]
+
+
+def write_tiny_qwen3_chat(directory: str | Path, vocab_size: int = 400) -> Path:
+    """A tiny random Qwen3 with the Qwen3-style chat tokenizer and template (Hermes tool calls,
+    `<think>` reasoning) and its generation config's EOS ids."""
+    from tests.support.tiny_models import write_tiny_llama  # torch: only for the callers that build a model
+
+    directory = Path(directory)
+    write_chat_tokenizer(directory, "qwen3", vocab_size=vocab_size)
+    eos = generation_eos_ids(directory, "qwen3")
+    write_tiny_llama(directory, arch="qwen3", with_tokenizer=False, vocab_size=vocab_size + 8,
+                     max_position_embeddings=1024, eos_token_id=eos[0], head_dim=16)
+    write_chat_tokenizer(directory, "qwen3", vocab_size=vocab_size)  # save_pretrained leaves the tokenizer alone
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return directory

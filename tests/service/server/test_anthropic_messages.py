@@ -26,11 +26,10 @@ from fastapi.testclient import TestClient
 from model.loading.tokenizer import ByteTokenizer
 from service.engine.engine_loop import EngineFailure
 from service.server.api import IngressSettings, build_api
-from tests.support.chat_tokenizers import QWEN3_TEMPLATE, generation_eos_ids, write_chat_tokenizer
+from tests.support.chat_tokenizers import QWEN3_TEMPLATE, write_tiny_qwen3_chat
 from tests.support.in_process import edge_app
 from tests.support.ingress_stub import StubEngine, stub_ingress
 from tests.support.local_serve import SharedServe
-from tests.support.tiny_models import write_tiny_llama
 
 MODEL = "tiny-qwen3"
 VOCAB = 400
@@ -250,12 +249,7 @@ def test_the_messages_routes_take_the_api_key_as_x_api_key_or_bearer() -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("qwen3") / "tiny"
-    write_chat_tokenizer(directory, "qwen3", vocab_size=VOCAB)
-    eos = generation_eos_ids(directory, "qwen3")
-    write_tiny_llama(directory, arch="qwen3", with_tokenizer=False, vocab_size=VOCAB + 8,
-                     max_position_embeddings=1024, eos_token_id=eos[0], head_dim=16)
-    write_chat_tokenizer(directory, "qwen3", vocab_size=VOCAB)  # save_pretrained leaves the tokenizer alone
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    write_tiny_qwen3_chat(directory, VOCAB)
     return directory
 
 
