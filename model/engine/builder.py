@@ -107,7 +107,7 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
         scheduler=scheduler_for(ec, cfg, blocks),
         runtime=RuntimeInfo(str(dev), str(dt).removeprefix("torch."), num_blocks, ec.block_size, max_len,
                             quant.method if quant else "none"),
-        quant_scheme=quant, head_scheme=head if net is not None else None,
+        quant_scheme=quant, head_scheme=head,
         int8_activations=net is not None and int8_activations(net, quant, dev, ec.quantization_activations),
         lora=lora,
         embedder=(Embedder(net, read_pooling_config(checkpoint, cfg.d_model), dev, ec.max_num_batched_tokens)

@@ -16,6 +16,7 @@ from model.engine.lora_manager import LoraManager
 from model.engine.scheduler import Scheduler
 from model.engine.spec_decode.decoder import SpecDecoder
 from model.inspect.attention_spec import AttentionShape
+from model.loading.generation_config import GenerationConfig
 from model.loading.quant.scheme import QuantScheme
 from model.loading.tokenizer import Tokenizer
 from model.multimodal.processor import ImageProcessor
@@ -33,7 +34,7 @@ class EngineParts:
     kv_cache_dtype: torch.dtype
     model_config: ModelConfig
     tokenizer: Tokenizer
-    generation_config: Any
+    generation_config: GenerationConfig
     runner: Any  # ModelRunner, or TensorParallelRunner (model/engine/parallel/driver.py)
     scheduler: Scheduler
     runtime: RuntimeInfo
