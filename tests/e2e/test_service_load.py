@@ -159,52 +159,7 @@ def test_a_non_streamed_request_whose_client_left_is_aborted_and_frees_its_block
     assert r.status_code == 200, r.text[:300]  # its admission slot is free again
 
 
-def _burst(base_url: str, body: dict[str, Any], total: int,
-           hold_admitted: bool = False) -> tuple[list[tuple[int, dict[str, Any]]], dict[str, Any] | None]:
-    """`total` streaming requests that leave together: (status, headers and body) each. With
-    `hold_admitted`, an admitted stream is read only to its first event and held open until every
-    client has its answer (a refused one with its whole body); the engine's stats are taken then,
-    and the held streams are closed (their requests aborted). Returns the answers and those stats."""
-    answers: list[tuple[int, dict[str, Any]]] = []
-    lock = threading.Lock()
-    start = threading.Barrier(total)
-    answered = threading.Barrier(total + 1)  # every client and this thread, once all have an answer
-    checked = threading.Event()
-
-    def one(_: int) -> None:
-        try:
-            with httpx.Client(base_url=base_url, timeout=120) as http:
-                http.get("/health")  # connect first, so the requests themselves leave together
-                start.wait()
-                with http.stream("POST", "/v1/completions", json=body) as r:
-                    held = hold_admitted and r.status_code == 200
-                    payload = next(r.iter_lines()).encode() if held else r.read()  # the first event: it runs
-                    with lock:
-                        answers.append((r.status_code, {"retry_after": r.headers.get("retry-after"), "body": payload}))
-                    if hold_admitted:
-                        answered.wait(timeout=300)
-                    if held:
-                        checked.wait(timeout=300)
-        except BaseException:
-            answered.abort()  # the others and the test stop waiting for this client
-            raise
-
-    with ThreadPoolExecutor(total) as pool:
-        clients = [pool.submit(one, i) for i in range(total)]
-        stats = None
-        if hold_admitted:
-            try:
-                answered.wait(timeout=300)  # a hang bound
-                stats = _engine_stats()
-            finally:
-                checked.set()
-        for client in clients:
-            client.result()
-    assert len(answers) == total
-    return answers, stats
-
-
-def _timed_burst(base_url: str, body: dict[str, Any], total: int) -> list[tuple[float, int, dict[str, Any]]]:
+def _burst(base_url: str, body: dict[str, Any], total: int) -> list[tuple[float, int, dict[str, Any]]]:
     """`total` streaming requests that leave together, each read to its end; (when it ended,
     status, headers and body) each."""
     events: list[tuple[float, int, dict[str, Any]]] = []
@@ -237,7 +192,7 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
     # requests 33 s there; 300 tokens keep a margin of ~10x.
     _wait_for(_idle, "an idle engine", timeout_s=60)
     body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    events = _timed_burst(base_url, body, BURST)
+    events = _burst(base_url, body, BURST)
     admitted = [e for e in events if e[1] == 200]
     rejected = [e for e in events if e[1] != 200]
     # The replica admits at most max_ongoing + max_queued at once (service/engine/admission.py:
@@ -341,7 +296,7 @@ def test_a_queue_sized_by_the_readme_rule_takes_the_burst(base_url: str) -> None
     """docs/load-tests.md: max_queued_requests >= the client's concurrency. The burst that
     test_overload_rejects_the_excess_fast sheds (BURST clients at once) now completes."""
     body = {"prompt": "abc", "max_tokens": 16, "ignore_eos": True, "stream": True}
-    answers, _ = _burst(base_url, body, BURST)
-    assert [status for status, _ in answers] == [200] * BURST, [i["body"][:200] for s, i in answers if s != 200]
-    for _, info in answers:
+    events = _burst(base_url, body, BURST)
+    assert [status for _, status, _ in events] == [200] * BURST, [i["body"][:200] for _, s, i in events if s != 200]
+    for _, _, info in events:
         assert info["body"].endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' in info["body"]
