@@ -48,11 +48,13 @@ def shared_serve() -> Iterator[Callable[..., Any]]:
     local_serve.stop_shared_service()
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules on the shared Ray + Serve (any of whose tests asks for `shared_serve`) run
     last, one after another: the shared instance starts once, no module with its own Ray has to
     stop it, and no other test runs beside its idle processes. Modules move whole; the order
-    within each group is pytest's own."""
+    within each group is the one the run had (pytest's, or a random-order plugin's: trylast, so
+    a shuffle is done before this split and cannot undo it)."""
     on_shared = {item.path for item in items if SHARED_SERVE in getattr(item, "fixturenames", ())}
     rest = [item for item in items if item.path not in on_shared]
     items[:] = rest + [item for item in items if item.path in on_shared]

@@ -1,26 +1,24 @@
-"""Cancellation, overload, metrics and redeploys of the running service: a real Ray Serve on
-loopback with Ray's Prometheus endpoint, and a model slow enough that one long request would keep
-the engine busy for about a minute unless it is aborted. The redeploy tests run last: they
-replace the application's config."""
+"""Cancellation, overload and metrics of the running service: a real Ray Serve on loopback with
+Ray's Prometheus endpoint, and a model slow enough that one long request would keep the engine busy
+for about a minute unless it is aborted. Each test leaves the service as it found it (idle, same
+config), so they pass in any order; the redeploys, which change the config, have their own service
+(test_service_redeploy.py)."""
 
 from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
+from tests.support.bursts import burst
 from tests.support.local_serve import local_service, write_tiny_checkpoint
-from service.app import AppArgs, build_app
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +141,7 @@ def test_a_non_streamed_request_whose_client_left_is_aborted_and_frees_its_block
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
     for close_after_first_byte in (False, True, True):
-        assert _idle()
+        _wait_for(_idle, "an idle engine")
         aborted_before = _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(request)
@@ -159,29 +157,6 @@ def test_a_non_streamed_request_whose_client_left_is_aborted_and_frees_its_block
     assert r.status_code == 200, r.text[:300]  # its admission slot is free again
 
 
-def _burst(base_url: str, body: dict[str, Any], total: int) -> list[tuple[float, int, dict[str, Any]]]:
-    """`total` streaming requests that leave together, each read to its end; (when it ended,
-    status, headers and body) each."""
-    events: list[tuple[float, int, dict[str, Any]]] = []
-    lock = threading.Lock()
-    start = threading.Barrier(total)
-
-    def one(_: int) -> None:
-        with httpx.Client(base_url=base_url, timeout=120) as http:
-            http.get("/health")  # connect first, so the requests themselves leave together
-            start.wait()
-            with http.stream("POST", "/v1/completions", json=body) as r:
-                payload = r.read()
-                info = {"retry_after": r.headers.get("retry-after"), "body": payload}
-        with lock:
-            events.append((time.monotonic(), r.status_code, info))
-
-    with ThreadPoolExecutor(total) as pool:
-        list(pool.map(one, range(total)))
-    assert len(events) == total
-    return events
-
-
 def test_overload_rejects_the_excess_fast(base_url: str) -> None:
     """Every refusal is back before any admitted request has finished, each admitted stream whole.
     The one order of events here is read from the client's clock: a rewrite that read the engine's
@@ -192,7 +167,7 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
     # requests 33 s there; 300 tokens keep a margin of ~10x.
     _wait_for(_idle, "an idle engine", timeout_s=60)
     body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    events = _burst(base_url, body, BURST)
+    events = burst(base_url, body, BURST)
     admitted = [e for e in events if e[1] == 200]
     rejected = [e for e in events if e[1] != 200]
     # The replica admits at most max_ongoing + max_queued at once (service/engine/admission.py:
@@ -208,95 +183,3 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
         assert info["body"].endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' in info["body"]
     assert max(t for t, *_ in rejected) < min(t for t, *_ in admitted)
     assert httpx.get(f"{base_url}/health").status_code == 200
-
-
-# ---- redeploys (last: they change the application's config) -----------------------------------
-
-# Long enough that the new replica starts and serves while the old one drains them (checked
-# after the loop). `serve.run` returns only once the old replica has drained, so the streams'
-# length is the test's: 2000 tokens took 78-98 s here, 1000 take ~35 s.
-STREAM_TOKENS = 1000
-SHORT = {"prompt": "during", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
-
-
-def _stream_tokens(base_url: str, body: dict[str, Any],
-                   started: threading.Event | None = None) -> tuple[int, list[dict[str, Any]]]:
-    """Status and the JSON events of a stream with usage; raises if [DONE] is missing.
-    `started` is set once the first event has arrived."""
-    body = body | {"stream": True, "stream_options": {"include_usage": True}}
-    lines: list[str] = []
-    with httpx.Client(base_url=base_url, timeout=120) as http, http.stream("POST", "/v1/completions",
-                                                                         json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                lines.append(line[len("data: "):])
-                if started is not None:
-                    started.set()
-    assert lines and lines[-1] == "[DONE]", lines[-3:]
-    return r.status_code, [json.loads(x) for x in lines[:-1]]
-
-
-def _assert_complete(status: int, events: list[dict[str, Any]], tokens: int) -> None:
-    assert status == 200 and not any("error" in e for e in events), events[-2:]
-    assert events[-1]["usage"]["completion_tokens"] == tokens
-    assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]] == ["length"]
-
-
-def _engine_replicas() -> set[str]:
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_REPLICA::qkv#EngineDeployment#")}
-
-
-def test_a_redeploy_while_streaming_completes_every_request(base_url: str, app_args: dict[str, Any]) -> None:
-    """`serve.run` of a changed config (what `serve deploy` does) while streams run: the old
-    replica stops taking requests and drains its streams to the end (graceful_shutdown_timeout_s),
-    new requests go to the new replica, and no client sees an error."""
-    _wait_for(_idle, "an idle engine", timeout_s=60)
-    old = _engine_replicas()
-    long_body = {"prompt": "in flight", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0}
-    # The new config: another served name (visible in /v1/models), the queue the next test needs,
-    # and half a CPU, so that the new replica fits next to the draining one on this 2-CPU Ray
-    # (Serve starts it while the old one drains; without room it would wait for the drain).
-    new_args = app_args | {"served_model_name": f"{MODEL}-v2", "max_queued_requests": BURST,
-                           "engine_num_cpus": 0.5}
-    with ThreadPoolExecutor(MAX_ONGOING + 1) as pool:
-        # Both of the old replica's slots (MAX_ONGOING) go to the streams, so while they run, a
-        # request that is answered was answered by the new replica.
-        started = [threading.Event() for _ in range(MAX_ONGOING)]
-        streams = [pool.submit(_stream_tokens, base_url, long_body, ev) for ev in started]
-        _wait_for(lambda: all(ev.is_set() for ev in started), "the streams to run")
-        redeploy = pool.submit(serve.run, build_app(AppArgs.model_validate(new_args)), name="qkv", route_prefix="/")
-        both_alive_while_streaming, served_while_draining, during = False, 0, 0
-        while not redeploy.done() or during < 2:  # new requests all along, and a couple after
-            body = SHORT | {"prompt": f"during {during}"}
-            if during % 2:
-                _assert_complete(*_stream_tokens(base_url, body), 8)
-            else:
-                r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
-                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text[:300]
-            replicas = _engine_replicas()
-            if not any(s.done() for s in streams):
-                served_while_draining += 1
-                both_alive_while_streaming |= bool(replicas & old) and bool(replicas - old)
-            if redeploy.done():
-                during += 1
-        redeploy.result()
-        for stream in streams:
-            _assert_complete(*stream.result(), STREAM_TOKENS)
-    assert both_alive_while_streaming and served_while_draining, (
-        "the redeploy did not overlap the streams (old and new replica alive while they ran, new "
-        "requests answered meanwhile): make the streams longer")
-    models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
-    assert [m["id"] for m in models] == [f"{MODEL}-v2"]
-    _wait_for(lambda: _engine_replicas().isdisjoint(old) and len(_engine_replicas()) == 1,
-              "the old replica to be gone", timeout_s=60)
-
-
-def test_a_queue_sized_by_the_readme_rule_takes_the_burst(base_url: str) -> None:
-    """docs/load-tests.md: max_queued_requests >= the client's concurrency. The burst that
-    test_overload_rejects_the_excess_fast sheds (BURST clients at once) now completes."""
-    body = {"prompt": "abc", "max_tokens": 16, "ignore_eos": True, "stream": True}
-    events = _burst(base_url, body, BURST)
-    assert [status for _, status, _ in events] == [200] * BURST, [i["body"][:200] for _, s, i in events if s != 200]
-    for _, _, info in events:
-        assert info["body"].endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' in info["body"]
