@@ -106,7 +106,7 @@ def extras(res: dict, llm: LLM, tmp: str, args: argparse.Namespace, prompts: lis
     """The short no-KV-cache comparison and the batch-64 decode rate."""
     short_p, short_m = prompts[:8], [16] * 8
     nocache = LLM(tmp, device=args.device, dtype=args.dtype,
-                  engine_config=EngineConfig(enable_kv_cache=False, max_num_batched_tokens=4096, kv_cache_bytes=1 << 30))
+                  engine_config=EngineConfig(enable_kv_cache=False, max_num_batched_tokens=4096, kv_cache_memory_bytes=1 << 30))
     res["engine_short"] = run_engine(llm, short_p, short_m)
     res["engine_no_kv_cache_short"] = run_engine(nocache, short_p, short_m)
     del nocache
@@ -143,7 +143,7 @@ def main() -> None:
     # HF's steps their page faults too.
     hf = run_hf(tmp, prompts, max_tokens, args.hf_batch, device, dtype)
     llm = LLM(tmp, device=args.device, dtype=args.dtype,
-              engine_config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=3 << 30,
+              engine_config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory_bytes=3 << 30,
                                          max_model_len=2048))
     cfg = llm.engine.model_config
     net = llm.engine.runner.model

@@ -70,7 +70,7 @@ def teacher_forced(model, prompts: list[list[int]], steps: int, kv_dtype: torch.
 
 
 def free_running(path: str, kv: str, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", engine_config=EngineConfig(kv_cache_bytes=1 << 30, kv_cache_dtype=kv))
+    llm = LLM(path, dtype="float32", engine_config=EngineConfig(kv_cache_memory_bytes=1 << 30, kv_cache_dtype=kv))
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params)]
 
@@ -107,7 +107,7 @@ def main() -> None:
         res["dtypes"][name] = r
     # Speed: one engine per dtype, measured in alternating rounds (best of 2) on this shared machine.
     engines = {name: LLM(tmp, dtype="float32", engine_config=EngineConfig(
-        max_num_seqs=64, kv_cache_bytes=(3 << 29) // (4 // getattr(torch, name).itemsize), kv_cache_dtype=name)).engine
+        max_num_seqs=64, kv_cache_memory_bytes=(3 << 29) // (4 // getattr(torch, name).itemsize), kv_cache_dtype=name)).engine
         for name in DTYPES}
     for _ in range(2):
         for name, engine in engines.items():

@@ -65,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="qkv-prefill-")
     save_model(build_preset(PRESET), tmp)
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=max(2048, args.prompt_len), kv_cache_bytes=1 << 30)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=max(2048, args.prompt_len), kv_cache_memory_bytes=1 << 30)
     llms = {d: LLM(tmp, dtype=d, engine_config=config) for d in DTYPES}
     best: dict[str, float] = {d: 0.0 for d in DTYPES}
     flops: dict[str, float] = {d: 0.0 for d in DTYPES}

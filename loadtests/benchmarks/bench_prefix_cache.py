@@ -135,7 +135,7 @@ def main() -> None:
                  "args": vars(args)}
     for name, workload in (("shared", shared_prompt), ("chat", chat)):
         for caching in (False, True):
-            config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_bytes=2 << 30,
+            config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory_bytes=2 << 30,
                                   enable_prefix_caching=caching)
             engine = build_engine(tmp, config, device="cpu", dtype="float32")
             key = f"{name}_{'on' if caching else 'off'}"

@@ -164,12 +164,12 @@ def bench_model(name: str, args: argparse.Namespace, res: dict[str, Any]) -> Non
     tmp = tempfile.mkdtemp(prefix="qkv-bench-service-")
     save_model(build_preset(name), tmp)
     top = max(args.concurrency)
-    config = EngineConfig(max_num_seqs=max(64, top), max_num_batched_tokens=2048, kv_cache_bytes=3 << 30)
+    config = EngineConfig(max_num_seqs=max(64, top), max_num_batched_tokens=2048, kv_cache_memory_bytes=3 << 30)
     vocab = PRESETS[name].vocab_size
     loads = {c: workload(requests_for(c, args.max_requests), args.seed, vocab) for c in args.concurrency}
     service_args = {"model": tmp, "accelerator": "cpu", "dtype": "float32", "max_num_seqs": config.max_num_seqs,
                     "max_num_batched_tokens": config.max_num_batched_tokens,
-                    "kv_cache_bytes": config.kv_cache_bytes, "engine_num_cpus": 1, "torch_threads": args.threads}
+                    "kv_cache_memory_bytes": config.kv_cache_memory_bytes, "engine_num_cpus": 1, "torch_threads": args.threads}
     rounds: list[dict] = []
     with local_service(service_args, HTTP_PORT, num_cpus=4) as url:
         engine = ray.remote(num_cpus=1)(BareEngine).remote(tmp, config, args.threads)

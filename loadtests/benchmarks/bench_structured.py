@@ -212,7 +212,7 @@ def main() -> None:
         ckpt = build_checkpoint(Path(tmp), args.vocab)
         print(f"checkpoint with a {args.vocab}-token BPE tokenizer built in {time.perf_counter() - t0:.1f} s")
         llm = LLM(str(ckpt), device="cpu", dtype="float32", engine_config=EngineConfig(
-            max_num_seqs=args.requests, kv_cache_bytes=512 << 20))
+            max_num_seqs=args.requests, kv_cache_memory_bytes=512 << 20))
         result = {"vocab_size": llm.engine.model_config.vocab_size, "torch_threads": args.threads,
                   "constraint": args.constraint,
                   "throughput": throughput(llm, args.requests, args.rounds, args.constraint),

@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="qkv-moe-profile-")
     write_moe_checkpoint(Path(tmp), args.shape)
-    llm = LLM(tmp, device=args.device, dtype=args.dtype, engine_config=EngineConfig(kv_cache_bytes=1 << 30))
+    llm = LLM(tmp, device=args.device, dtype=args.dtype, engine_config=EngineConfig(kv_cache_memory_bytes=1 << 30))
     print_moe_profile(profile_moe_decode(llm.engine, args.batch, args.context))
 
 

@@ -90,7 +90,7 @@ def main() -> None:
     save_model(build_preset(args.preset), tmp)
     extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
     extra["quantization"] = args.quantization
-    llm = LLM(tmp, dtype=args.dtype, engine_config=EngineConfig(max_num_seqs=64, kv_cache_bytes=3 << 30, **extra))
+    llm = LLM(tmp, dtype=args.dtype, engine_config=EngineConfig(max_num_seqs=64, kv_cache_memory_bytes=3 << 30, **extra))
     results = []
     for backend in args.backend.split(","):
         if not set_backend(llm.engine, backend):

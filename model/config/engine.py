@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 from model.config.fields import described
@@ -18,8 +19,10 @@ class EngineConfig:
     """Knobs of the continuous-batching engine (also `LLM(...)` keyword arguments, and most of
     them app arguments: `service.app.AppArgs`).
 
-    The number of KV blocks is derived at start-up from `kv_cache_bytes`
-    (or, when that is None, from `kv_cache_fraction` of free memory).
+    The number of KV blocks is derived at start-up (model/engine/memory.py): from
+    `kv_cache_memory_bytes` when set; else, on CUDA, from what `gpu_memory_utilization` of the
+    device leaves after the weights and the profiling run's activation peak; else, on the CPU,
+    `CPU_KV_CACHE_BYTES`.
     """
 
     max_num_seqs: int = described(64, "The most sequences in the running batch; each step runs them all in one "
@@ -38,13 +41,22 @@ class EngineConfig:
               "higher ones; 0: no aging.")
     block_size: int = described(16, "Tokens per KV-cache block, the unit the cache is allocated, shared (prefix "
                                     "caching) and freed in.")
-    kv_cache_bytes: int | None = described(None, "Bytes of the KV cache; None: `kv_cache_fraction` of the memory "
-                                                 "free at start-up. Never more blocks than `max_num_seqs` sequences "
-                                                 "of `max_model_len` need.")
-    kv_cache_fraction: float = described(0.25, "Share of the free memory (the GPU's on CUDA, MemAvailable on the "
-                                               "CPU) the KV cache takes when `kv_cache_bytes` is None; in (0, 0.95].")
-    num_kv_blocks: int | None = described(None, "The number of KV blocks, overriding `kv_cache_bytes` and "
-                                                "`kv_cache_fraction` (mostly for tests).")
+    gpu_memory_utilization: float = described(
+        0.9, "CUDA: the share of the GPU's total memory this engine may use for weights, activations and "
+             "the KV cache (vLLM's name); the KV cache gets what remains after the weights and the peak of a "
+             "profiling run at max_num_batched_tokens. In (0, 1]. Ignored on the CPU and when "
+             "kv_cache_memory_bytes is set.")
+    kv_cache_memory_bytes: int | None = described(
+        None, "Bytes of the KV cache, set outright (vLLM's name); None: sized by gpu_memory_utilization on "
+              "CUDA, 4 GiB on the CPU (the environment variable QKV_CPU_KVCACHE_SPACE, in GiB, changes that "
+              "default). Never more blocks than max_num_seqs sequences of max_model_len need.")
+    kv_cache_bytes: int | None = described(None, "Deprecated alias of kv_cache_memory_bytes (a warning says so).")
+    num_kv_blocks: int | None = described(None, "The number of KV blocks, overriding kv_cache_memory_bytes and "
+                                                "gpu_memory_utilization (mostly for tests).")
+    compile_cache_dir: str | None = described(
+        None, "Where compiled kernels (torch.compile's Inductor cache) are kept, shared by every engine "
+              "process and replica on the machine so a warm start compiles nothing; None: "
+              "~/.cache/qkv-serve/compile, unless TORCHINDUCTOR_CACHE_DIR is set.")
     max_model_len: int | None = described(None, "The longest sequence, prompt plus generated tokens; None, or "
                                                 "more than the model allows: the model's max_position.")
     enable_kv_cache: bool = described(True, "False recomputes every sequence from position 0 each step: a "
@@ -125,8 +137,18 @@ class EngineConfig:
             raise ValueError(f"encoder_cache_size must be >= 0, got {self.encoder_cache_size}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if not 0.0 < self.kv_cache_fraction <= 0.95:
-            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None:
+            if self.kv_cache_memory_bytes not in (None, self.kv_cache_bytes):
+                raise ValueError("kv_cache_bytes is a deprecated alias of kv_cache_memory_bytes: set only "
+                                 "kv_cache_memory_bytes")
+            warnings.warn("kv_cache_bytes is deprecated: use kv_cache_memory_bytes", DeprecationWarning,
+                          stacklevel=3)
+            object.__setattr__(self, "kv_cache_memory_bytes", self.kv_cache_bytes)
+            object.__setattr__(self, "kv_cache_bytes", None)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -213,3 +235,13 @@ class RuntimeInfo:
     block_size: int
     max_model_len: int
     quantization: str = "none"  # what the weights hold: none, int8, int4, gptq or awq
+    kv_cache_bytes: int = 0  # the KV pool's (num_kv_blocks x the bytes of one block)
+    weights_bytes: int = 0  # this process's parameters and buffers (0: in tensor-parallel workers)
+    activation_peak_bytes: int = 0  # the profiling run's (CUDA); 0 where none ran
+    startup_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # phase -> seconds
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of max_model_len tokens the KV cache holds at once."""
+        per_seq = -(-self.max_model_len // self.block_size)
+        return self.num_kv_blocks / per_seq

@@ -9,6 +9,9 @@ phases) belongs here, never in the step.
 from __future__ import annotations
 
 import logging
+import os
+import time
+from pathlib import Path
 
 import torch
 
@@ -22,6 +25,8 @@ from model.engine.kv.share import SharedTier, Tiers
 from model.engine.kv.share_layout import namespace
 from model.engine.kv.transfer import IncomingBlocks
 from model.engine.lora_manager import LoraManager
+from model.engine.memory import (MemoryPlan, check_fits, cpu_kv_cache_bytes, describe, device_memory, gpu_kv_budget,
+                                 module_bytes, plan_blocks)
 from model.engine.parts import EngineParts
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import Scheduler
@@ -29,7 +34,8 @@ from model.engine.spec_decode.decoder import SpecDecoder
 from model.engine.spec_decode.draft import DraftProposer
 from model.inspect.attention_spec import AttentionShape
 from model.layers.kv_cache import KVCache
-from model.loading.loading import load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
+from model.loading.checkpoint import load_config
+from model.loading.loading import is_preset, load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.loading.pooling_config import read_pooling_config
 from model.loading.quant.quantize import head_scheme, on_the_fly_scheme, quantization_of, set_int8_activations
 from model.loading.quant.scheme import QuantScheme
@@ -49,6 +55,9 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
                 seed: int = 0, revision: str | None = None) -> EngineParts:
     ec = engine_config or EngineConfig()
     dev = resolve_device(device)
+    use_compile_cache(ec.compile_cache_dir)
+    phases: dict[str, float] = {}
+    started = time.perf_counter()
     source = resolve_model(model, revision)  # a preset, or the checkpoint directory (a hub id's snapshot)
     dt = resolve_dtype(dtype, dev, model_dtype(source))
     torch.manual_seed(seed)
@@ -63,10 +72,21 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
         head = head_scheme(ec.quantize_lm_head, layers, dev)
         cfg, net, tokenizer, generation_config = load_weights(source, dt, dev, quantize=layers,
                                                               quantize_lm_head=head or False)
+    phases["load"] = time.perf_counter() - started
     quant = quantization_of(net)
     max_len = min(ec.max_model_len or cfg.max_position, cfg.max_position)
     kv_dtype = dt if ec.kv_cache_dtype == "auto" else getattr(torch, ec.kv_cache_dtype)
-    num_blocks = kv_blocks(ec, cfg, max_len, kv_dtype, dev)
+    plan = memory_plan(ec, cfg, net, max_len, kv_dtype, dev, phases)
+    num_blocks = plan.num_blocks
+    if plan.source == "num_kv_blocks":  # an override (vLLM's num_gpu_blocks_override): requests too long get a 400
+        try:
+            check_fits(num_blocks, ec.block_size, max_len, widest_window(cfg), plan)
+        except ValueError as e:
+            logger.warning("%s (num_kv_blocks is an override: the engine starts anyway)", e)
+    else:
+        check_fits(num_blocks, ec.block_size, max_len, widest_window(cfg), plan)
+    logger.info("memory: %s", describe(plan, ec.block_size, max_len))
+    allocated = time.perf_counter()
     # One block more than the block manager hands out: the scratch block where padding rows of
     # static (CUDA-graph) decode batches write (model/engine/runner.py).
     if net is None:
@@ -80,6 +100,7 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
                              max_num_seqs=ec.max_num_seqs, max_model_len=max_len,
                              encoder_cache_size=ec.encoder_cache_size)
         pool = cache.keys + cache.values
+    phases["kv_cache"] = time.perf_counter() - allocated
     if dev.type == "cpu":  # after the load, whose temporaries went back to the kernel
         keep_freed_memory()  # steps reuse the pages the last one freed (model/engine/host_memory.py)
     checkpoint = None if source in PRESETS else source
@@ -106,7 +127,9 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
         tokenizer=tokenizer, generation_config=generation_config, runner=runner,
         scheduler=scheduler_for(ec, cfg, blocks),
         runtime=RuntimeInfo(str(dev), str(dt).removeprefix("torch."), num_blocks, ec.block_size, max_len,
-                            quant.method if quant else "none"),
+                            quant.method if quant else "none", kv_cache_bytes=plan.kv_cache_bytes,
+                            weights_bytes=plan.weights_bytes, activation_peak_bytes=plan.activation_peak_bytes,
+                            startup_seconds=phases),
         quant_scheme=quant, head_scheme=head,
         int8_activations=net is not None and int8_activations(net, quant, dev, ec.quantization_activations),
         lora=lora,
@@ -121,20 +144,75 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
     )
 
 
-def kv_blocks(ec: EngineConfig, cfg: ModelConfig, max_len: int, kv_dtype: torch.dtype, device: torch.device) -> int:
-    """How many KV blocks the cache gets: `num_kv_blocks`, else what the byte budget holds, never
-    more than every sequence slot at full length needs."""
-    if ec.num_kv_blocks is not None:
-        return ec.num_kv_blocks
+def memory_plan(ec: EngineConfig, cfg: ModelConfig, net: torch.nn.Module | None, max_len: int,
+                kv_dtype: torch.dtype, device: torch.device, phases: dict[str, float]) -> MemoryPlan:
+    """How many KV blocks the cache gets (model/engine/memory.py): `num_kv_blocks`; else
+    `kv_cache_memory_bytes`; else on CUDA what `gpu_memory_utilization` leaves after the weights
+    and the profiling run's peak (timed as the `profile` phase); else the CPU's default bytes.
+    Never more than every sequence slot at full length needs."""
     per_block = KVCache.bytes_per_block(cfg.n_layers, ec.block_size, cfg.kv_heads, cfg.d_head, kv_dtype)
-    budget = ec.kv_cache_bytes
-    if budget is None:
-        budget = int(ec.kv_cache_fraction * free_memory(device))
     enough = ec.max_num_seqs * blocks_for(max_len, ec.block_size)
-    num = min(budget // per_block, enough)
-    if num < 1:
-        raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)")
-    return int(num)
+    weights = module_bytes(net) if net is not None else 0  # tensor parallelism: the workers hold them
+    if ec.num_kv_blocks is not None:
+        return MemoryPlan(ec.num_kv_blocks, per_block, "num_kv_blocks", weights)
+    if ec.kv_cache_memory_bytes is not None:
+        blocks = plan_blocks(ec.kv_cache_memory_bytes, per_block, enough, "kv_cache_memory_bytes")
+        return MemoryPlan(blocks, per_block, "kv_cache_memory_bytes", weights)
+    memory = device_memory(device)
+    if memory is None:
+        blocks = plan_blocks(cpu_kv_cache_bytes(), per_block, enough, "the CPU's default KV cache size")
+        return MemoryPlan(blocks, per_block, "cpu_default", weights)
+    peak = 0
+    if net is not None:
+        from model.engine.profile_run import activation_peak  # noqa: PLC0415 (the runner, only here)
+
+        started = time.perf_counter()
+        peak = activation_peak(net, cfg, ec, max_len, kv_dtype, device, memory)
+        phases["profile"] = time.perf_counter() - started
+        budget = gpu_kv_budget(memory.total(), ec.gpu_memory_utilization, weights, peak, memory.free())
+    else:  # the driver of tensor-parallel workers: the share of its device not in use yet
+        budget = gpu_kv_budget(memory.total(), ec.gpu_memory_utilization, memory.total() - memory.free(), 0)
+    blocks = plan_blocks(budget, per_block, enough, f"gpu_memory_utilization={ec.gpu_memory_utilization}")
+    return MemoryPlan(blocks, per_block, "gpu_memory_utilization", weights, peak, memory.total())
+
+
+def check_sizing(model: str, ec: EngineConfig, device: str = "cpu", dtype: str = "auto",
+                 revision: str | None = None) -> None:
+    """The refusal `build_parts` would make of `max_model_len` or of the KV cache's size, decided
+    from the model's config alone where it can be (no weights loaded): a local model whose cache
+    is sized in bytes (`kv_cache_memory_bytes`, or the CPU's default). The app builder calls it so
+    `serve run` stops at once with the reason instead of in every replica. Where the size needs
+    the device (CUDA's profiling run) or a hub download, the replica decides."""
+    if ec.num_kv_blocks is not None or ec.tensor_parallel_size > 1:
+        return
+    dev = torch.device(device)
+    if (dev.type == "cuda" and ec.kv_cache_memory_bytes is None) or not (model in PRESETS or os.path.isdir(model)
+                                                                        or is_preset(model)):
+        return
+    source = resolve_model(model, revision)
+    cfg = PRESETS[source] if source in PRESETS else load_config(source)
+    dt = resolve_dtype(dtype, dev, model_dtype(source))
+    max_len = min(ec.max_model_len or cfg.max_position, cfg.max_position)
+    kv_dtype = dt if ec.kv_cache_dtype == "auto" else getattr(torch, ec.kv_cache_dtype)
+    plan = memory_plan(ec, cfg, None, max_len, kv_dtype, torch.device("cpu"), {})
+    check_fits(plan.num_blocks, ec.block_size, max_len, widest_window(cfg), plan)
+
+
+def use_compile_cache(directory: str | None) -> Path:
+    """Point torch.compile's Inductor cache at `directory` (default: under the user's cache dir),
+    so every engine process and replica on the machine reuses what one compiled. An explicit
+    directory wins over TORCHINDUCTOR_CACHE_DIR; the default does not."""
+    if directory is None:
+        default = Path.home() / ".cache" / "qkv-serve" / "compile"
+        path = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default)))
+    else:
+        path = Path(directory).expanduser()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compile_cache_dir {str(path)!r} cannot be created: {e}") from None
+    return path
 
 
 def scheduler_for(ec: EngineConfig, cfg: ModelConfig, blocks: BlockManager) -> Scheduler:
@@ -189,13 +267,3 @@ def widest_window(cfg: ModelConfig) -> int | None:
     every block, as Gemma 2/3's and gpt-oss's do)."""
     windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
     return None if any(w is None for w in windows) else max(windows)
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes of memory free for the KV cache on `device`."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024

@@ -121,6 +121,8 @@ class Engine:
                     (self.quant_scheme.describe() | {"lm_head": self.head_scheme.method if self.head_scheme else None})
                     if self.quant_scheme else "none",
                     " with int8 activations" if self.int8_activations else "")
+        logger.info("start-up phases: %s", ", ".join(f"{phase} {seconds:.2f} s"
+                                                     for phase, seconds in self.runtime.startup_seconds.items()))
 
     # ---- requests -------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, lis
                                  max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos[-1])
     write_chat_tokenizer(directory, "llama3", vocab_size=VOCAB)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "top_k": 1}))
-    llm = LLM(str(directory), device="cpu", engine_config=EngineConfig(kv_cache_bytes=4 << 20))
+    llm = LLM(str(directory), device="cpu", engine_config=EngineConfig(kv_cache_memory_bytes=4 << 20))
     with torch_threads(1):  # as the replica (engine_num_cpus 1): a near-tie falls the same way there
         (free,) = llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     ids = free.token_ids

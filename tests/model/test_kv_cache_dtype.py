@@ -11,7 +11,7 @@ import torch
 from model import LLM, SamplingParams
 from model.config import EngineConfig
 
-KV_BYTES = 16 << 20
+KV_BYTES = 16 << 20  # 42 float32 blocks of transformer-base: 672 tokens, so max_model_len 512
 
 
 def prompts_and_params(n: int = 4) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -21,7 +21,8 @@ def prompts_and_params(n: int = 4) -> tuple[list[list[int]], list[SamplingParams
 
 
 def generate(model: str, kv: str, fused: bool = True) -> tuple[LLM, list, list[torch.Tensor]]:
-    llm = LLM(model, engine_config=EngineConfig(kv_cache_bytes=KV_BYTES, kv_cache_dtype=kv, block_size=8))
+    llm = LLM(model, engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES, kv_cache_dtype=kv, block_size=8,
+                                                                max_model_len=512))
     runner = llm.engine.runner
     runner.fused_decode = fused and runner.fused_available
     logits: list[torch.Tensor] = []
@@ -39,7 +40,8 @@ def test_kv_cache_dtype_is_validated() -> None:
 @pytest.mark.parametrize("kv,dtype", [("auto", torch.float32), ("float32", torch.float32),
                                       ("bfloat16", torch.bfloat16), ("float16", torch.float16)])
 def test_cache_is_stored_in_the_chosen_dtype_and_16_bits_hold_twice_the_blocks(kv: str, dtype: torch.dtype) -> None:
-    llm = LLM("transformer-base", engine_config=EngineConfig(kv_cache_bytes=KV_BYTES, kv_cache_dtype=kv))
+    llm = LLM("transformer-base", engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES, kv_cache_dtype=kv,
+                                                             max_model_len=512))
     cache = llm.engine.runner.cache
     assert {t.dtype for t in cache.keys + cache.values} == {dtype}
     per_block = 2 * 6 * 16 * 512 * dtype.itemsize  # K and V, layers, block size, d_model

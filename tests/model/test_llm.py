@@ -18,7 +18,7 @@ from model.loading.loading import build_preset
 from tests.support.tiny_models import full_logits, save_tiny_gpt2
 
 BASE = "transformer-base"
-ENGINE = EngineConfig(kv_cache_bytes=64 << 20)
+ENGINE = EngineConfig(kv_cache_memory_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def base() -> LLM:
 def tiny(tmp_path_factory) -> LLM:
     directory = save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
     # CPU float32 on every machine: logprobs are compared with a reference forward pass.
-    return LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(kv_cache_bytes=8 << 20))
+    return LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(kv_cache_memory_bytes=8 << 20))
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -23,7 +23,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, "transformers
     directory = save_tiny_gpt2(tmp_path_factory.mktemp("gpt2"), vocab_size=VOCAB, seed=4)
     hf = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
     # Chunks of at most 8 tokens: a 30-token prompt is prefilled over several steps.
-    llm = LLM(str(directory), engine_config=EngineConfig(max_num_batched_tokens=8, kv_cache_bytes=8 << 20))
+    llm = LLM(str(directory), engine_config=EngineConfig(max_num_batched_tokens=8, kv_cache_memory_bytes=8 << 20))
     return llm, hf
 
 

@@ -110,7 +110,7 @@ def _flex_on_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask:
 @contextlib.contextmanager
 def engine_on_meta(monkeypatch) -> Iterator[HostReads]:
     """Inside: `build_engine(..., device="cuda")` builds on the meta device (the KV cache sized by
-    `num_kv_blocks` or `kv_cache_bytes`, which the caller sets), and its steps run under
+    `num_kv_blocks` or `kv_cache_memory_bytes`, which the caller sets), and its steps run under
     `HostReads`."""
     import model.engine.builder as builder_mod
     import model.engine.spec_decode.draft as draft_mod
@@ -125,3 +125,40 @@ def engine_on_meta(monkeypatch) -> Iterator[HostReads]:
     monkeypatch.setattr(flex_mod, "flex_attention", _flex_on_meta)
     with HostReads() as mode:
         yield mode
+
+
+class FakeDeviceMemory:
+    """A GPU's memory as `model.engine.memory.DeviceMemory` reads it, for an engine on meta: a
+    device of `total` bytes (`free` of them free, default all), on which the profiling run's
+    forward pass peaks `activation_peak` bytes above what was allocated before it. Meta tensors
+    take no memory, so the peak is the caller's figure; what is checked is the arithmetic and that
+    the profiling run ran (`profiled`)."""
+
+    def __init__(self, total: int, activation_peak: int, free: int | None = None) -> None:
+        self._total, self._free, self.activation_peak = total, total if free is None else free, activation_peak
+        self.profiled = 0  # profiling runs (peak resets) seen
+
+    def total(self) -> int:
+        return self._total
+
+    def free(self) -> int:
+        return self._free
+
+    def allocated(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        self.profiled += 1
+
+    def peak(self) -> int:
+        return self.activation_peak
+
+
+@contextlib.contextmanager
+def gpu_memory_on_meta(monkeypatch, memory: FakeDeviceMemory) -> Iterator[FakeDeviceMemory]:
+    """Inside `engine_on_meta`: the meta device sizes its KV cache as CUDA does, by a profiling run
+    and `gpu_memory_utilization` of `memory`."""
+    import model.engine.builder as builder_mod
+
+    monkeypatch.setattr(builder_mod, "device_memory", lambda device: memory if device.type == "meta" else None)
+    yield memory

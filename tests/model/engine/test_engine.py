@@ -44,13 +44,13 @@ def assert_same(a, b) -> None:
 
 @pytest.fixture(scope="module", params=["transformer-base", "transformer-base-additive"])
 def alone(request, needle):
-    llm = LLM(request.param, engine_config=EngineConfig(kv_cache_bytes=KV_BYTES))
+    llm = LLM(request.param, engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES))
     return request.param, llm.generate([needle, needle], needle_params())
 
 
 def test_needle_alone_equals_needle_in_a_batch_of_32(alone, needle) -> None:
     model, ref = alone
-    llm = LLM(model, engine_config=EngineConfig(kv_cache_bytes=KV_BYTES))
+    llm = LLM(model, engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES))
     prompts, params = others(32)
     outs = llm.generate(prompts[:16] + [needle] + prompts[16:] + [needle], params[:16] + needle_params()[:1]
                         + params[16:] + needle_params()[1:])
@@ -67,14 +67,14 @@ def test_preemption_never_changes_outputs(alone, needle) -> None:
     assert llm.engine.stats().num_preemptions_total > 0
     assert_same(outs[0], ref[0])
     assert_same(outs[-1], ref[1])
-    solo = LLM(model, engine_config=EngineConfig(kv_cache_bytes=KV_BYTES)).generate(prompts[:4], params[:4])
+    solo = LLM(model, engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES)).generate(prompts[:4], params[:4])
     for a, b in zip(outs[1:5], solo):
         assert a.token_ids == b.token_ids
 
 
 def test_small_prefill_chunks_never_change_outputs(alone, needle) -> None:
     model, ref = alone
-    llm = LLM(model, engine_config=EngineConfig(kv_cache_bytes=KV_BYTES, max_num_batched_tokens=7))
+    llm = LLM(model, engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=7))
     outs = llm.generate([needle, needle], needle_params())
     assert_same(outs[0], ref[0])
     assert_same(outs[1], ref[1])
@@ -82,7 +82,7 @@ def test_small_prefill_chunks_never_change_outputs(alone, needle) -> None:
 
 def test_disabled_kv_cache_gives_the_same_tokens(alone, needle) -> None:
     model, ref = alone
-    cfg = EngineConfig(kv_cache_bytes=KV_BYTES, enable_kv_cache=False, max_num_batched_tokens=4096)
+    cfg = EngineConfig(kv_cache_memory_bytes=KV_BYTES, enable_kv_cache=False, max_num_batched_tokens=4096)
     outs = LLM(model, engine_config=cfg).generate([needle], needle_params()[:1])
     assert_same(outs[0], ref[0])
 

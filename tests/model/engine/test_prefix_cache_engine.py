@@ -40,7 +40,7 @@ def assert_same(got, ref) -> None:
 @pytest.fixture(scope="module", params=["transformer-base", "transformer-base-additive"])
 def reference(request):
     prompts, params = workload()
-    llm = LLM(request.param, engine_config=EngineConfig(kv_cache_bytes=KV_BYTES, enable_prefix_caching=False))
+    llm = LLM(request.param, engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False))
     outs = llm.generate(prompts, params)
     assert llm.engine.stats().prefix_cache_queries == 0
     return request.param, outs
@@ -49,7 +49,7 @@ def reference(request):
 def test_caching_on_gives_the_same_outputs_and_hits(reference) -> None:
     model, ref = reference
     prompts, params = workload()
-    llm = LLM(model, engine_config=EngineConfig(kv_cache_bytes=KV_BYTES))
+    llm = LLM(model, engine_config=EngineConfig(kv_cache_memory_bytes=KV_BYTES))
     assert_same(llm.generate(prompts, params), ref)
     # The second round finds every full prompt block cached (the last token is always computed).
     assert_same(llm.generate(prompts, params), ref)
@@ -73,7 +73,7 @@ def test_forced_preemption_with_caching_gives_the_same_outputs(reference) -> Non
 def test_aborts_in_the_middle_leave_the_others_unchanged_and_the_pool_full(reference) -> None:
     model, ref = reference
     prompts, params = workload()
-    engine = build_engine(model, EngineConfig(kv_cache_bytes=KV_BYTES, max_num_batched_tokens=48))
+    engine = build_engine(model, EngineConfig(kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=48))
     tokens: dict[str, list[int]] = {}
     for i in range(4):
         engine.add_request(str(i), prompts[i], params[i])

@@ -314,7 +314,7 @@ def test_a_high_priority_arrival_preempts_and_every_output_equals_running_alone(
     while engine.has_unfinished():
         step()
     assert finished.index("high") < finished.index("low1")
-    alone = LLM(MODEL, engine_config=EngineConfig(kv_cache_bytes=64 << 20))
+    alone = LLM(MODEL, engine_config=EngineConfig(kv_cache_memory_bytes=64 << 20))
     for name, prompt in prompts.items():
         assert tokens[name] == alone.generate([prompt], greedy(lengths[name]))[0].token_ids, name
     if spec is not None:

@@ -18,7 +18,7 @@ from model.loading.generation_config import GenerationConfig, load_generation_co
 from model.loading.tokenizer import ByteTokenizer, load_tokenizer
 from tests.support.tiny_models import save_tiny_gpt2
 
-ENGINE = EngineConfig(kv_cache_bytes=4 << 20)
+ENGINE = EngineConfig(kv_cache_memory_bytes=4 << 20)
 PROMPT = "The cat sat on"
 
 

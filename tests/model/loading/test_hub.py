@@ -22,7 +22,7 @@ from tests.support.tiny_models import save_tiny_gpt2
 from tests.support.paths import REPO
 
 MAIN, V1 = "a" * 40, "b" * 40  # commit hashes of two snapshots
-ENGINE = EngineConfig(kv_cache_bytes=4 << 20)
+ENGINE = EngineConfig(kv_cache_memory_bytes=4 << 20)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -71,7 +71,7 @@ def test_llm_loads_a_hub_id_from_the_cache_named_by_the_environment(hub_cache: P
     """A fresh process with HF_HUB_CACHE and HF_HUB_OFFLINE=1, as a user would run it."""
     script = ("import json; from model import LLM, SamplingParams; from model.config import EngineConfig\n"
               "p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)\n"
-              "e = EngineConfig(kv_cache_bytes=4 << 20)\n"
+              "e = EngineConfig(kv_cache_memory_bytes=4 << 20)\n"
               "print(json.dumps([LLM('org/tiny', device='cpu', engine_config=e).generate('The cat', p)[0].token_ids,"
               " LLM('org/tiny', revision='v1', device='cpu', engine_config=e).generate('The cat', p)[0].token_ids]))")
     env = os.environ | {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}

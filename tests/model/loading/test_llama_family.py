@@ -122,7 +122,7 @@ def test_greedy_continuation_matches_hf_under_preemption(case) -> None:
 
 def test_kv_cache_is_sized_by_kv_heads(case) -> None:
     directory, hf, _, _ = case
-    engine = build_engine(str(directory), EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=1000), device="cpu")
+    engine = build_engine(str(directory), EngineConfig(kv_cache_memory_bytes=1 << 20, max_num_seqs=1000), device="cpu")
     c = hf.config
     assert tuple(engine.runner.cache.keys[0].shape[2:]) == (c.num_key_value_heads, _head_dim(c))
     per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * _head_dim(c) * 4  # K and V, fp32
@@ -162,13 +162,13 @@ def test_rope_scaling_in_the_old_place_is_read(llama_dir: Path) -> None:
 def test_sliding_window_shorter_than_the_context_is_served(tmp_path: Path) -> None:
     """Exactness with windows is tests/model/loading/test_sliding_window.py's; here: no refusal, full context."""
     directory = write_tiny_llama(tmp_path, "mistral", with_tokenizer=False, sliding_window=64)
-    engine = build_engine(str(directory), EngineConfig(kv_cache_bytes=1 << 20), device="cpu")
+    engine = build_engine(str(directory), EngineConfig(kv_cache_memory_bytes=1 << 20), device="cpu")
     assert engine.runtime.max_model_len == 128
     assert [engine.model_config.layer_window(i) for i in range(2)] == [64, 64]
 
 
 def test_context_limit_is_max_position_embeddings(llama_dir: Path) -> None:
-    engine = build_engine(str(llama_dir), EngineConfig(kv_cache_bytes=1 << 20), device="cpu")
+    engine = build_engine(str(llama_dir), EngineConfig(kv_cache_memory_bytes=1 << 20), device="cpu")
     assert engine.runtime.max_model_len == 128
     with pytest.raises(ValueError, match="maximum context length is 128"):
         engine.add_request("r", [1] * 100, SamplingParams(max_tokens=29))

@@ -275,7 +275,7 @@ def test_logit_bias_shifts_the_logits_of_its_row_only() -> None:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> LLM:
     directory = save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
-    return LLM(str(directory), engine_config=EngineConfig(kv_cache_bytes=8 << 20))
+    return LLM(str(directory), engine_config=EngineConfig(kv_cache_memory_bytes=8 << 20))
 
 
 def test_a_seeded_request_is_the_same_alone_and_in_a_mixed_batch(tiny: LLM) -> None:

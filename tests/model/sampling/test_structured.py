@@ -37,13 +37,13 @@ CHOICES = ["yes", "no", 'say "hi"', "größer"]
 @pytest.fixture(scope="module")
 def byte_llm(tmp_path_factory) -> LLM:
     directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-byte"), max_position=512)
-    return LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(kv_cache_bytes=16 << 20))
+    return LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(kv_cache_memory_bytes=16 << 20))
 
 
 @pytest.fixture(scope="module")
 def bpe_llm(tmp_path_factory) -> LLM:
     directory = save_tiny_gpt2(tmp_path_factory.mktemp("tiny-bpe"), n_positions=256)
-    return LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(kv_cache_bytes=8 << 20))
+    return LLM(str(directory), device="cpu", dtype="float32", engine_config=EngineConfig(kv_cache_memory_bytes=8 << 20))
 
 
 def sampled(seed: int, **constraint) -> SamplingParams:

@@ -248,7 +248,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     vocab = tok.get_vocab_size(with_added_tokens=True)
     write_tiny_llama(directory, arch="qwen2", with_tokenizer=False, vocab_size=vocab, max_position_embeddings=512,
                      eos_token_id=tok.token_to_id("<|im_end|>"))
-    llm = LLM(str(directory), device="cpu", engine_config=EngineConfig(kv_cache_bytes=16 << 20))
+    llm = LLM(str(directory), device="cpu", engine_config=EngineConfig(kv_cache_memory_bytes=16 << 20))
     assert llm.tokenizer.reveal_special_tokens(["[TOOL_CALLS]", "<|python_tag|>"]) == ["[TOOL_CALLS]",
                                                                                        "<|python_tag|>"]
     return llm
