@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from model.config import EngineConfig
+from model.engine.builder import check_sizing
 from service.app.args import AppArgs, use_gpu
 from service.autoscaling import serve_autoscaling_config
 from service.launch import haproxy_enabled
@@ -96,7 +97,9 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
 
 def engine_options(args: AppArgs) -> dict[str, Any]:
     """The engine deployment's Serve options (resources, limits, scaling), without its request router."""
-    EngineConfig(**args.engine_config())  # fail here, not in a replica, on bad knobs
+    config = EngineConfig(**args.engine_config())  # fail here, not in a replica, on bad knobs
+    # ... and on a max_model_len the KV cache cannot hold, where that is known before a replica starts
+    check_sizing(args.model, config, "cuda" if use_gpu(args.accelerator) else "cpu", args.dtype, args.revision)
     resources = replica_resources(args.engine_num_cpus, use_gpu(args.accelerator), args.tensor_parallel_size,
                                   args.tp_worker_num_cpus, args.placement_group_strategy)
     if ray.is_initialized():

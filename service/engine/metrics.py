@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -123,6 +123,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("running", "qkv_num_requests_running", "gauge", "Requests in the running batch."),
     MetricSpec("waiting", "qkv_num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
     MetricSpec("kv_usage", "qkv_kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0..1)."),
+    MetricSpec("kv_capacity", "qkv_kv_cache_capacity_tokens", "gauge",
+               "Tokens the KV cache holds (its blocks x block_size), as sized at start-up."),
+    MetricSpec("startup", "qkv_startup_seconds", "gauge",
+               "Seconds each start-up phase of this replica's engine took: load (weights), profile (the "
+               "profiling run, CUDA only), kv_cache (allocating the pool).", ("phase",)),
     MetricSpec("lora_loaded", "qkv_lora_adapters_loaded", "gauge", "LoRA adapters resident in this replica."),
     MetricSpec("lora_loads", "qkv_lora_adapter_loads_total", "counter", "LoRA adapters loaded into a slot."),
     MetricSpec("lora_evictions", "qkv_lora_adapter_evictions_total", "counter",
@@ -164,6 +169,21 @@ class EngineMetrics:
         self._seen = dict.fromkeys((name for name, _ in self._totals()), 0)
         self._unreported_tokens = 0  # generated tokens observed since the last refresh
         self._spec_seen = [0, 0]  # speculative tokens proposed / accepted at the last refresh
+        self._startup: dict[str, float] = {}
+        self._capacity: int | None = None
+
+    def set_startup(self, runtime: Any) -> None:
+        """The engine's start-up figures (`RuntimeInfo`): exported from now on, and set again at
+        every `refresh` (Ray drops a gauge that is not set for a while)."""
+        self._startup = dict(runtime.startup_seconds)
+        self._capacity = runtime.num_kv_blocks * runtime.block_size
+        self._set_startup()
+
+    def _set_startup(self) -> None:
+        for phase, seconds in self._startup.items():
+            self.startup.set(seconds, tags={"phase": phase})
+        if self._capacity is not None:
+            self.kv_capacity.set(self._capacity)
 
     def observe(self, out: RequestOutput, last_token_time: float | None) -> float | None:
         """Record one output delta; returns the time of its last token, which the caller passes
@@ -237,6 +257,7 @@ class EngineMetrics:
         last call. Called on a timer even when idle: Ray drops a gauge from its export when it
         has not been set for a while."""
         self._flush_tokens()
+        self._set_startup()
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

@@ -134,6 +134,9 @@ class EngineHost:
         if getattr(engine, "lora", None) is not None:  # `<served name>:<adapter>` names a dynamic adapter
             engine.lora.base_names.add(served_model_name)
         self.metrics = metrics if metrics is not None else EngineMetrics(served_model_name)
+        runtime = getattr(engine, "runtime", None)
+        if runtime is not None and hasattr(self.metrics, "set_startup"):
+            self.metrics.set_startup(runtime)
         self.loop = EngineLoop(engine, torch_thread)
         self.loop.start()
         self.prefill: Any = None  # a decode replica's RemotePrefill (service/replica/kv_connector.py)

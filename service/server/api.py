@@ -283,6 +283,10 @@ def model_cards(serving: OpenAIServing, created: int) -> list[dict[str, Any]]:
     info = serving.info
     card = {"id": info.served_model_name, "object": "model", "created": created, "owned_by": "qkv-serve",
             "max_model_len": info.max_model_len,
+            "kv_cache": {"num_blocks": info.num_kv_blocks, "block_size": info.block_size,
+                         "capacity_tokens": info.num_kv_blocks * info.block_size,
+                         # sequences of max_model_len tokens the cache holds at once
+                         "max_concurrency": round(info.num_kv_blocks / -(-info.max_model_len // info.block_size), 2)},
             "tool_call_parser": serving.tool_format.name if serving.tool_format else None,
             "reasoning_parser": "think" if serving.reasoning else None,
             "quantization": info.quantization["method"] if info.quantization else "none",

@@ -106,6 +106,20 @@ def test_prometheus_scrapes_every_target_ray_discovered(service: Any, prom: Prom
     assert {t["labels"]["job"] for t in active} == {"ray"}
 
 
+def test_start_up_phases_and_the_kv_capacity_are_scraped(service: Any, prom: PrometheusServer) -> None:
+    """Each start-up phase's time (a CPU engine: loading the weights and allocating the KV cache;
+    no profiling run there) and the KV capacity /v1/models states, through Ray and Prometheus."""
+    url, _ = service
+    card = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    phases = wait_until(lambda: {s["metric"]["phase"]: float(s["value"][1])
+                                 for s in prom.query(f"ray_qkv_startup_seconds{SEL}")} or None, 60,
+                        "qkv_startup_seconds in Prometheus")
+    assert set(phases) == {"load", "kv_cache"}, phases
+    assert all(math.isfinite(v) and v >= 0 for v in phases.values()), phases
+    capacity = prom.wait_for(f"sum(ray_qkv_kv_cache_capacity_tokens{SEL})", card["kv_cache"]["capacity_tokens"])
+    assert capacity == card["kv_cache"]["num_blocks"] * card["kv_cache"]["block_size"] > 0
+
+
 def test_generated_tokens_count_and_rate_match_the_traffic(prom: PrometheusServer, traffic: dict[str, Any]) -> None:
     burst_tokens = sum(r.completion_tokens for r in traffic["burst"])
     total = burst_tokens + sum(r.completion_tokens for r in traffic["warmup"])

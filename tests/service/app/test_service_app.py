@@ -33,6 +33,17 @@ def test_bad_arguments_fail_at_build_time(bad: dict) -> None:
         call_user_app_builder_with_args_if_necessary(build_app, bad)
 
 
+def test_a_max_model_len_the_cache_cannot_hold_fails_at_build_time_in_one_line() -> None:
+    """A local model whose KV cache is sized in bytes: `serve run` stops before any replica starts,
+    naming max_model_len and the largest value that fits; with that value the app builds."""
+    block = 2 * 6 * 16 * 512 * 4  # transformer-base, float32 on the CPU
+    args = {"model": "transformer-base", "kv_cache_memory_bytes": 10 * block, "accelerator": "cpu"}
+    with pytest.raises(ValueError, match=r"^max_model_len 1024 does not fit .* Set max_model_len <= 160, ") as err:
+        call_user_app_builder_with_args_if_necessary(build_app, args)
+    assert "\n" not in str(err.value)
+    call_user_app_builder_with_args_if_necessary(build_app, args | {"max_model_len": 160})
+
+
 def test_accelerator_choice() -> None:
     assert use_gpu("gpu") is True
     assert use_gpu("cpu") is False
