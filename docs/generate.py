@@ -136,8 +136,10 @@ def render_marker(kind: str, args: list[str], results_dir: Path = RESULTS) -> st
         return serving_env_table()
     if kind == "layers" and len(args) == 1:
         return layers_table(args[0])
+    if kind == "memory_sizes" and not args:
+        return memory_sizes_table()
     raise ValueError(f"unknown docs marker 'generated: {' '.join([kind, *args])}'; known: arguments [NAME ...], "
-                     "speculative_config, metrics [PREFIX ...], bench NAME [TABLE], models_features, "
+                     "speculative_config, metrics [PREFIX ...], bench NAME [TABLE], models_features, memory_sizes, "
                      f"api_fields MODEL ({', '.join(REQUEST_MODELS)}), serving_env, layers model|service")
 
 
@@ -248,6 +250,43 @@ def metrics_table(prefixes: list[str] | None = None) -> str:
     return table(["Metric", "Type", "Labels", "Description"],
                  [[f"`{exported_name(m)}`{suffixes[m.kind]}", m.kind, ", ".join(f"`{lb}`" for lb in m.all_labels),
                    m.description] for m in chosen])
+
+
+# ---- memory sizes -------------------------------------------------------------------------
+
+MEMORY_SIZES_GB = (24, 48, 80, 141)  # common GPU memory sizes, in GB (10^9 bytes)
+
+
+def memory_sizes_table(utilization: float = 0.9, block_size: int = 16) -> str:
+    """For each of `model.models.reference_configs`: its bfloat16 weights (the model built on the
+    meta device from its config.json), K and V bytes per token, and the KV cache room on each GPU
+    size at `utilization` before the activation peak, in tokens and in sequences of its own
+    context length (model/engine/memory.py's arithmetic)."""
+    import torch
+
+    from model.engine.memory import GiB, module_bytes
+    from model.layers.kv_cache import KVCache
+    from model.models.reference_configs import REFERENCE_CONFIGS
+    from model.models.registry import ARCHITECTURES, build_model
+
+    rows = []
+    for name, raw in REFERENCE_CONFIGS.items():
+        cfg = ARCHITECTURES[raw["architectures"][0]].parse_config(raw, True)
+        with torch.device("meta"):
+            weights = module_bytes(build_model(cfg).to(torch.bfloat16))
+        per_token = KVCache.bytes_per_block(cfg.n_layers, block_size, cfg.kv_heads, cfg.d_head,
+                                            torch.bfloat16) // block_size
+        row = [f"`{name}`", f"{weights / GiB:.1f} GiB", f"{per_token // 1024} KiB", f"{cfg.max_position:,}"]
+        for gb in MEMORY_SIZES_GB:
+            room = int(utilization * gb * 10**9) - weights
+            if room < per_token * block_size:
+                row.append("weights do not fit")
+            else:
+                tokens = room // per_token
+                row.append(f"{tokens / 1000:,.0f}k tokens ({tokens / cfg.max_position:.1f}x)")
+        rows.append(row)
+    return table(["Model (bfloat16)", "Weights", "K+V per token", "Context",
+                  *(f"{gb} GB" for gb in MEMORY_SIZES_GB)], rows)
 
 
 # ---- models x features ----------------------------------------------------------------------

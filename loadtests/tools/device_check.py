@@ -17,6 +17,10 @@ JSON report (after each part: a run cut off keeps what it did) and prints one ta
    `generate` on the same weights (its decode steps timed by a logits processor); some decode
    steps profiled (kernel time against wall time). What could not run (past `--budget-s`, no
    transformers) fails the part rather than passing it.
+3. startup: the same weights at the model's full context (131,072 tokens, Llama 3.1's RoPE
+   scaling) in an engine given nothing but the model: the memory plan of the default
+   `gpu_memory_utilization` (weights, profiled activation peak, KV cache, maximum concurrency),
+   each start-up phase's time, and one request of the whole context served.
 
 The report carries its provenance (loadtests/lib/provenance.py). The GPU machine's copy of the
 tree has no git history, so the report names no clean commit, but records its source digest:
@@ -53,9 +57,11 @@ from loadtests.lib.checkpoints import SHAPES, write_random_checkpoint  # noqa: E
 from loadtests.lib.result_schema import PROVENANCE_KEYS  # noqa: E402
 from loadtests.lib.results import RefusedResult, write_result  # noqa: E402
 from loadtests.lib.rooflines import sync  # noqa: E402
+from loadtests.lib.startup import full_context_startup, long_context_copy  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.engine.scheduler import ScheduledSeq  # noqa: E402
+from model.models.reference_configs import REFERENCE_CONFIGS  # noqa: E402
 from model.engine.sequence import Sequence  # noqa: E402
 from model.sampling.sampler import SamplingRow  # noqa: E402
 
@@ -63,7 +69,7 @@ logger = logging.getLogger("device_check")
 GPU_TESTS = ROOT / "tests" / "gpu"
 HBM_BYTES_PER_S = 4.8e12  # H200
 PEAK_FLOPS = 790e12  # H200 dense bf16, about
-PARTS = ("gpu_tests", "throughput")
+PARTS = ("gpu_tests", "throughput", "startup")
 
 
 @dataclass(frozen=True)
@@ -78,13 +84,16 @@ class Sizes:
     # (attention_backend, enforce_eager) of the engine's throughput runs; gather runs the first two batches
     throughput_configs: tuple = (("flex", False), ("gather", False))
     warm_steps: int = 3
+    long_context: int = 131072  # the startup part's max_model_len
+    rope_scaling: dict | None = None  # the startup part's, for a context past the shape's own
 
 
-FULL = Sizes("cuda", torch.bfloat16, "llama3.1-8b-shape", (1, 64, 256), 2048, 32)
+FULL = Sizes("cuda", torch.bfloat16, "llama3.1-8b-shape", (1, 64, 256), 2048, 32,
+             rope_scaling=REFERENCE_CONFIGS["meta-llama/Llama-3.1-8B"]["rope_scaling"])
 # The dry run walks the same code with less of everything, in float32 (bf16 matmuls are slow on
 # CPUs without bf16 units).
 DRY = Sizes("cpu", torch.float32, "tiny-llama-shape", (1, 4), 48, 2, throughput_configs=(("auto", False),),
-            warm_steps=1)
+            warm_steps=1, long_context=2048)
 
 
 @dataclass
@@ -195,7 +204,7 @@ def check_throughput(s: Sizes, work: Path, deadline: float, profile_steps: int =
     check, rows = Check("throughput"), []
     cfg = SHAPES[s.shape]
     t0 = time.perf_counter()
-    directory = write_random_checkpoint(work / s.shape, s.shape, s.dtype, device=s.device)
+    directory = checkpoint(s, work)
     n_params = param_count(cfg)
     check.detail["write_s"] = round(time.perf_counter() - t0, 1)
     check.detail["params"] = n_params
@@ -235,6 +244,24 @@ def check_throughput(s: Sizes, work: Path, deadline: float, profile_steps: int =
         check.detail["skipped_hf"] = "time budget"
         check.status = "fail"
     return check, rows
+
+
+def checkpoint(s: Sizes, work: Path) -> Path:
+    """The shape's random checkpoint, written once for every part that runs it."""
+    directory = work / s.shape
+    return directory if (directory / "config.json").is_file() else write_random_checkpoint(
+        directory, s.shape, s.dtype, device=s.device)
+
+
+def check_startup(s: Sizes, work: Path) -> Check:
+    """3. The engine at the model's full context and the default memory share; passes when the
+    full-context request got all its tokens."""
+    directory = long_context_copy(checkpoint(s, work), work / f"{s.shape}-long", s.long_context, s.rope_scaling)
+    free(s.device)
+    detail = full_context_startup(directory, s.device, s.dtype, SHAPES[s.shape]["vocab_size"])
+    free(s.device)
+    ok = detail["max_model_len"] == s.long_context and detail["finish_reason"] == "length"
+    return Check("startup", "pass" if ok else "fail", detail)
 
 
 @torch.inference_mode()
@@ -453,6 +480,19 @@ def main(argv: list[str] | None = None) -> int:
                 check = Check("throughput", "error", {"error": f"{type(exc).__name__}: {exc}",
                                                       "traceback": traceback.format_exc(limit=6)})
             check.seconds = round(time.perf_counter() - t0, 1)
+            checks.append(check)
+        report()
+        if "startup" in skip:
+            checks.append(Check("startup", "skipped"))
+        else:
+            t0 = time.perf_counter()
+            try:
+                check = check_startup(s, work)
+            except Exception as exc:
+                check = Check("startup", "error", {"error": f"{type(exc).__name__}: {exc}",
+                                                   "traceback": traceback.format_exc(limit=6)})
+            check.seconds = round(time.perf_counter() - t0, 1)
+            logger.info("startup: %s %s", check.status, check.detail)
             checks.append(check)
     final = report(rooflines=True)  # the machine's bounds, measured after the benchmark
     print_table(final)

@@ -387,7 +387,7 @@ def test_markers_render_tables_from_their_sources(tmp_path: Path) -> None:
     out = generate.render_page(page, tmp_path)
     assert "| part | ms |\n|---|---|\n| edge | 0.125 |" in out
     assert "| `max_num_seqs` | `int, ≥ 1` | `64` | serve, LLM, EngineConfig |" in out
-    assert "| `kv_cache_fraction` |" in out and "| LLM, EngineConfig |" in out
+    assert "| `gpu_memory_utilization` |" in out and "| LLM, EngineConfig |" in out
     assert all(f"`ray_{m.name}`" in out for m in METRICS)
     assert "| a \\| b | 12.5 |" in out and "Note: noisy" in out and "`abc1234`" in out
     assert "\ntext\n" in out

@@ -2,8 +2,8 @@
 one; `--accel-device cpu` runs the same tests on the CPU, which checks the tests themselves).
 
 On the device, in float32: logits within 1e-4 of HF transformers and 24 greedy tokens identical
-(alone, from the prefix cache, in a batch of 16, preempted) for Llama (GQA, RoPE), GPT-2 and Gemma 2
-(soft-caps, windows), through the gather and flex backends; sampling with temperature, top-k/p,
+(alone, from the prefix cache, in a batch of 16, preempted) for Llama (GQA, RoPE), GPT-2, Gemma 2
+(soft-caps, windows) and Qwen3 (q/k norms), through the gather and flex backends; sampling with temperature, top-k/p,
 penalties, logit bias, logprobs and seeds (a seed's tokens the same alone and batched); decode on
 CUDA graphs equal to eager decoding, captured (not fallen back), with no gather workspace under
 flex; int8/int4 logits equal to the CPU's; a LoRA adapter equal to peft's merged model; ngram
@@ -37,7 +37,8 @@ GEMMA = dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=True, query
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gpu")
     out = {"llama": str(write_tiny_llama(root / "llama")),
-           "gemma2": str(write_tiny_llama(root / "gemma2", "gemma2", seed=2, **GEMMA))}
+           "gemma2": str(write_tiny_llama(root / "gemma2", "gemma2", seed=2, **GEMMA)),
+           "qwen3": str(write_tiny_llama(root / "qwen3", "qwen3", seed=3, head_dim=32))}  # q/k norms
     from tests.support.tiny_models import save_tiny_gpt2
     out["gpt2"] = str(save_tiny_gpt2(root / "gpt2"))
     return out
@@ -50,7 +51,7 @@ def _hf(directory: str):
 
 
 @pytest.mark.parametrize("backend", ["gather", "flex"])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "qwen3"])
 def test_parity_with_hf_alone_batched_cached_preempted(device, checkpoints, arch, backend) -> None:
     directory = checkpoints[arch]
     hf = _hf(directory)

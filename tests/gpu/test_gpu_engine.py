@@ -4,8 +4,8 @@ against its own dense forward; the flex kernels against the engine's gather path
 at a real head size (windows, block tables with holes, a row owning block 0, padded prefill chunks
 after a cached past); short prompt tails after a cached prefix; draft-model speculation with every
 prompt at once; a long-context engine that reserves no gather workspace under flex (and, on CUDA,
-stays within 256 MiB beyond its weights and KV pool). Qwen3's parity with HF belongs in
-test_gpu.py's parity test: add "qwen3" to its `arch` parameters and checkpoints."""
+stays within 256 MiB beyond its weights and KV pool); on CUDA, start-up sizing by a profiling run
+and gpu_memory_utilization. Parity with HF (Qwen3's included) is test_gpu.py's."""
 
 from __future__ import annotations
 
@@ -145,3 +145,18 @@ def test_a_long_context_engine_reserves_no_gather_workspace_under_flex(device, t
         weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
         assert torch.cuda.max_memory_allocated() - before - pool - weights < 256 << 20
         assert llm.engine.runner.graphs.num_replays > 0
+
+
+def test_cuda_start_up_profiles_and_sizes_the_cache_by_gpu_memory_utilization(device, tmp_path) -> None:
+    """The profiling run measured an activation peak, and the cache stays inside the share left:
+    utilization x total - weights - peak (fewer blocks when max_num_seqs sequences need fewer)."""
+    if not device.startswith("cuda"):
+        pytest.skip("the profiling run and gpu_memory_utilization are CUDA's")
+    directory = write_tiny_llama(tmp_path / "m", max_position_embeddings=4096)
+    llm = LLM(str(directory), device=device, engine_config=EngineConfig(gpu_memory_utilization=0.1,
+                                                                        max_num_seqs=4096, block_size=BLOCK))
+    rt = llm.engine.runtime
+    total = torch.cuda.mem_get_info()[1]
+    assert "profile" in rt.startup_seconds and rt.activation_peak_bytes > 0 and rt.weights_bytes > 0
+    assert 0 < rt.kv_cache_bytes <= 0.1 * total - rt.weights_bytes - rt.activation_peak_bytes
+    assert llm.generate([PROMPTS[0]], greedy(4))[0].finish_reason == "length"

@@ -61,7 +61,7 @@ def test_dry_run_records_the_gpu_tests_and_walks_the_throughput_benchmark(tmp_pa
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["environment"]["device"] == "cpu"
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == ["gpu_tests", "throughput"]
+    assert list(checks) == ["gpu_tests", "throughput", "startup"]
     assert all(c["status"] == "pass" for c in checks.values()), {k: c["status"] for k, c in checks.items()}
     tested = checks["gpu_tests"]["detail"]
     assert {k: tested[k] for k in ("passed", "failed", "errors", "skipped")} == {
@@ -74,6 +74,9 @@ def test_dry_run_records_the_gpu_tests_and_walks_the_throughput_benchmark(tmp_pa
     assert all(r["step_ms"] > 0 and r["bytes_per_step"] > 0 and r["flops_per_step"] > 0 for r in rows)
     profiles = checks["throughput"]["detail"]["profiles"]
     assert {p["steps"] for p in profiles.values()} == {5} and all(p["wall_ms_per_step"] > 0 for p in profiles.values())
+    startup = checks["startup"]["detail"]  # the tiny shape at 2048 tokens, one request filling them
+    assert startup["max_model_len"] == 2048 and startup["generated"] == 8 and startup["finish_reason"] == "length"
+    assert set(startup["startup_seconds"]) == {"load", "kv_cache"} and startup["num_kv_blocks"] >= 2048 // 16
     assert "gpu_tests" in proc.stdout and "of roof" in proc.stdout  # the table
     # the report's provenance: the command, the tree's git state and source digest, the machine
     assert "loadtests/tools/device_check.py --dry-run" in report["command"]
@@ -91,10 +94,12 @@ def test_dry_run_records_the_gpu_tests_and_walks_the_throughput_benchmark(tmp_pa
 def test_a_failed_gpu_test_fails_the_check_and_is_named(tmp_path: Path) -> None:
     extra = "\ndef test_broken(device):\n    assert 1 == 2, 'tokens differ'\n"
     out = tmp_path / "device_check.json"
-    proc = run("--dry-run", "--tests", gpu_tests(tmp_path, extra), "--out", out, "--skip", "throughput", cwd=tmp_path)
+    proc = run("--dry-run", "--tests", gpu_tests(tmp_path, extra), "--out", out, "--skip", "throughput,startup",
+               cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (check, skipped) = json.loads(out.read_text())["checks"]
-    assert check["name"] == "gpu_tests" and check["status"] == "fail" and skipped["status"] == "skipped"
+    (check, *skipped) = json.loads(out.read_text())["checks"]
+    assert check["name"] == "gpu_tests" and check["status"] == "fail"
+    assert [(c["name"], c["status"]) for c in skipped] == [("throughput", "skipped"), ("startup", "skipped")]
     assert check["detail"]["failed"] == 1 and check["detail"]["passed"] == 1
     (broken,) = [t for t in check["detail"]["tests"] if t["outcome"] == "failed"]
     assert broken["test"].endswith("::test_broken") and "tokens differ" in broken["message"]
@@ -105,7 +110,7 @@ def test_a_run_that_passes_no_test_fails(tmp_path: Path) -> None:
     """No test passed (all skipped: no CUDA, no transformers): nothing was checked."""
     out = tmp_path / "device_check.json"
     proc = run("--dry-run", "--tests", gpu_tests(tmp_path), "--pytest-args", "-k cuda_only", "--out", out,
-               "--skip", "throughput", cwd=tmp_path)
+               "--skip", "throughput,startup", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     check = json.loads(out.read_text())["checks"][0]
     assert check["status"] == "fail" and check["detail"]["passed"] == 0 and check["detail"]["skipped"] == 1
