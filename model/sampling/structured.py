@@ -152,8 +152,12 @@ class GrammarConstraint:
             allowed = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[: logits.shape[0]]
             logits.masked_fill_(torch.from_numpy(allowed == 0), float("-inf"))
         else:
+            # CUDA: xgrammar's Triton kernel. Elsewhere plain torch ops, not xgrammar's default there
+            # (torch.compile): on the meta device its recompiles failed inside Inductor once another
+            # test had compiled it for other shapes (a random-order run of the suite).
             self._xgr.apply_token_bitmask_inplace(logits.view(1, -1), self._bitmask.to(logits.device),
-                                                  vocab_size=self._vocab_size)
+                                                  vocab_size=self._vocab_size,
+                                                  backend="auto" if logits.device.type == "cuda" else "torch_native")
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False if the grammar does not allow it (nothing changes)."""
