@@ -35,4 +35,6 @@ def activation_peak(net: torch.nn.Module, cfg: ModelConfig, ec: EngineConfig, ma
     torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)  # top-p's sort over the vocabulary
     peak = memory.peak() - base
     del hidden, logits, cache, runner
+    if device.type == "cuda":  # give the run's blocks back before the KV cache is allocated
+        torch.cuda.empty_cache()
     return max(0, peak)
