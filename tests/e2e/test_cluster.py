@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import pytest
 import requests
 import yaml
 
+from service.launch import reap_orphaned_haproxy
 from tests.support.serve_fixtures import REPO, metric_sum, read_rayservice, scrape, send_concurrently, wait_until, \
     write_tiny_model
 
@@ -149,6 +151,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     config_file.write_text(yaml.safe_dump(serve_config(write_tiny_model(tmp / "tiny"))))
     machines = Machines(tmp, config_file)
     head, worker, deploy, stop = blocks
+    started = time.time()
     try:
         machines.run(head, "head", HEAD_METRICS_PORT,
                      f"--dashboard-port={DASHBOARD_PORT} --dashboard-agent-listen-port={HEAD_AGENT_PORT} "
@@ -177,6 +180,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         assert commands(stop) == ["ray stop"], stop
         left = machines.stop()
+        reap_orphaned_haproxy(started)  # a HAProxy whose Ray is gone (service/launch.py) holds Serve's ports
         shutil.rmtree(machines.temp_dir, ignore_errors=True)
         assert not left, f"processes of the test's Ray still running: {left}"
 

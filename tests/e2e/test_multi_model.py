@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -248,6 +249,11 @@ def serve_instance() -> Any:
     import ray
     from ray import serve
 
+    from service.launch import reap_orphaned_haproxy
+    from tests.support.local_serve import stop_shared_service
+
+    stop_shared_service()  # one Ray per process: this module's has its own metrics settings
+    started = time.time()
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level=logging.WARNING, _metrics_export_port=METRICS_PORT,
              _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS})
@@ -259,6 +265,7 @@ def serve_instance() -> Any:
             serve.shutdown()
         finally:
             ray.shutdown()
+            reap_orphaned_haproxy(started)  # a HAProxy Ray left running would hold Serve's ports
 
 
 def _deploy(serve: Any, args: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from ray import serve
 
 from tests.support import fault_injection
 from service.app import AppArgs, compose_app
+from service.launch import reap_orphaned_haproxy
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ SHARED_NUM_CPUS = 2
 # Replica actors of the app: none may outlive the module that deployed it.
 _REPLICA_PREFIX = f"SERVE_REPLICA::{APP_NAME}#"
 _shared: dict[str, str] = {}  # "url" while the shared Ray + Serve runs
+_ray_started: dict[str, float] = {}  # "at": when this process last started its own Ray (time.time())
 
 
 @contextmanager
@@ -139,19 +141,24 @@ def _start_ray_and_serve(http_port: int, num_cpus: float, metrics_port: int | No
     if metrics_port is not None:
         init["_metrics_export_port"] = metrics_port
         init["_system_config"] = {"metrics_report_interval_ms": metrics_interval_ms}
+    _ray_started["at"] = time.time()
     ray.init(**init)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     except BaseException:
         ray.shutdown()
+        reap_orphaned_haproxy(_ray_started["at"])
         raise
 
 
 def _stop_ray_and_serve() -> None:
+    """Shut Serve and Ray down, then stop a HAProxy Ray left running (service/launch.py says when
+    that happens): it would hold the fixed ports every later Serve on the machine needs."""
     try:
         serve.shutdown()
     finally:
         ray.shutdown()
+        reap_orphaned_haproxy(_ray_started.get("at", time.time()))
 
 
 def write_tiny_checkpoint(path: str | Path, max_position: int = 256, **config: Any) -> Path:

@@ -51,10 +51,12 @@ def serve_on_local_ray(app_args: dict[str, Any], http_port: int, dashboard_port:
     import ray
     from ray import serve
 
-    from tests.support.local_serve import stop_shared_service
     from service.app import build_app
+    from service.launch import reap_orphaned_haproxy
+    from tests.support.local_serve import stop_shared_service
 
     stop_shared_service()  # one Ray per process: this one has its own settings
+    started = time.time()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_port=dashboard_port,
              _metrics_export_port=metrics_port, _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
              _system_config={"metrics_report_interval_ms": METRICS_INTERVAL_MS})
@@ -70,6 +72,7 @@ def serve_on_local_ray(app_args: dict[str, Any], http_port: int, dashboard_port:
             serve.shutdown()
         finally:
             ray.shutdown()
+            reap_orphaned_haproxy(started)  # a HAProxy Ray left running would hold Serve's ports
 
 
 def health_status(url: str) -> int | None:
