@@ -58,9 +58,9 @@ test-stress: install
 	seed="$(STRESS_SEED)"; [ -n "$$seed" ] || seed=$$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); \
 		echo "== test-stress: the suite in a random order, seed $$seed (STRESS_SEED=$$seed repeats it)"; \
 		$(PY) -m pytest -q --random-order-bucket=module --random-order-seed=$$seed $(PYTEST_ARGS)
-	echo "== test-stress: tests/e2e beside a CPU hog"; \
+	echo "== test-stress: tests/e2e and the README's make serve beside a CPU hog"; \
 		$(PY) -c 'while True: pass' & hog=$$!; trap 'kill $$hog 2>/dev/null' EXIT INT TERM; \
-		$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+		$(PY) -m pytest -q tests/e2e tests/docs/test_readme.py $(PYTEST_ARGS)
 
 # The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link or an unknown generated
 # marker fails the build, as it does in CI.

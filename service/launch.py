@@ -63,16 +63,17 @@ def haproxy_binary() -> str | None:
     return str(Path(spec.origin).parent / "bin" / "haproxy")
 
 
-def orphaned_haproxy(since: float) -> list[int]:
-    """PIDs of this environment's HAProxy processes started after `since` (a `time.time()`) whose
-    parent is gone (reparented to init): left behind by a Ray that has shut down."""
+def haproxy_since(since: float) -> dict[int, bool]:
+    """This environment's HAProxy processes started after `since` (a `time.time()`): PID -> whether
+    it is orphaned (its parent is no longer Ray's HAProxy manager actor: the process was reparented
+    to init or a subreaper when the actor died)."""
     binary = haproxy_binary()
     if binary is None:
-        return []
+        return {}
     with open("/proc/stat") as f:
         boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
     ticks = os.sysconf("SC_CLK_TCK")
-    found = []
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -85,14 +86,43 @@ def orphaned_haproxy(since: float) -> list[int]:
             continue
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
         ppid, started = int(fields[1]), boot + int(fields[19]) / ticks
-        if ppid == 1 and started >= since - 1:
-            found.append(int(entry.name))
+        if started < since - 1 or fields[0] == "Z":
+            continue
+        try:
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+        except OSError:
+            parent = b""
+        found[int(entry.name)] = not parent.startswith(b"ray::")
     return found
 
 
-def reap_orphaned_haproxy(since: float, timeout_s: float = 10.0) -> list[int]:
-    """Stop `orphaned_haproxy(since)` (SIGTERM, then SIGKILL after `timeout_s`); returns their PIDs."""
-    pids = orphaned_haproxy(since)
+def orphaned_haproxy(since: float) -> list[int]:
+    """PIDs of this environment's HAProxy processes started after `since` whose Ray actor is gone."""
+    return [pid for pid, orphaned in haproxy_since(since).items() if orphaned]
+
+
+def reap_orphaned_haproxy(since: float, settle_s: float = 30.0, timeout_s: float = 10.0,
+                          quiet_s: float = 1.0) -> list[int]:
+    """Stop the HAProxy processes started after `since` that outlive their Ray: call it once that
+    Ray is shut down. Its actors die a moment after the shutdown returns (and a manager may start a
+    last HAProxy meanwhile), so this waits up to `settle_s` until every such HAProxy has either
+    exited or been orphaned and stopped (SIGTERM, SIGKILL after `timeout_s`), and at least `quiet_s`
+    (a manager respawns a HAProxy that died within milliseconds). Returns the PIDs stopped."""
+    stopped: list[int] = []
+    start = time.monotonic()
+    deadline = start + settle_s
+    while True:
+        found = haproxy_since(since)
+        orphans = [pid for pid, orphaned in found.items() if orphaned]
+        _stop(orphans, timeout_s)
+        stopped += orphans
+        now = time.monotonic()
+        if (len(orphans) == len(found) and now >= start + quiet_s) or now > deadline:
+            return stopped
+        time.sleep(0.2)
+
+
+def _stop(pids: list[int], timeout_s: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -100,9 +130,15 @@ def reap_orphaned_haproxy(since: float, timeout_s: float = 10.0) -> list[int]:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + timeout_s
-        while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
             time.sleep(0.05)
-    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
 
 
 def run(argv: list[str]) -> int:
