@@ -483,7 +483,11 @@ class TestTwoModels:
 
         after = wait_until(beta_again, 90, "a new replica serving beta")
         assert after["alpha"] == before["alpha"]  # the alpha replica was left alone
-        got = wait_until(lambda: _try_complete(url, "beta"), 60, "beta to answer again")
+        answers: list[str] = []  # what beta's requests got meanwhile, for the failure message
+        try:
+            got = wait_until(lambda: _try_complete(url, "beta", answers), 60, "beta to answer again")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; its last answers: {answers[-3:]}") from None
         assert got["choices"][0]["text"] == wanted["beta"]
         assert complete(url, "alpha", PROMPT)["choices"][0]["text"] == wanted["alpha"]
 
@@ -500,9 +504,14 @@ def replicas_by_model() -> dict[str, str]:
             if n == "ray_qkv_num_requests_running" and lab.get("replica") in live}
 
 
-def _try_complete(url: str, model: str) -> dict[str, Any] | None:
+def _try_complete(url: str, model: str, answers: list[str] | None = None) -> dict[str, Any] | None:
+    """The completion when it succeeds; else None, and what came back (or the error) in `answers`."""
     try:
         r = requests.post(f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, **GREEDY}, timeout=30)
-    except requests.RequestException:
+    except requests.RequestException as e:
+        if answers is not None:
+            answers.append(f"{type(e).__name__}: {e}"[:300])
         return None
+    if r.status_code != 200 and answers is not None:
+        answers.append(f"{r.status_code} {r.text[:300]}")
     return r.json() if r.status_code == 200 else None
