@@ -63,10 +63,17 @@ def haproxy_binary() -> str | None:
     return str(Path(spec.origin).parent / "bin" / "haproxy")
 
 
-def haproxy_since(since: float) -> dict[int, bool]:
-    """This environment's HAProxy processes started after `since` (a `time.time()`): PID -> whether
-    it is orphaned (its parent is no longer Ray's HAProxy manager actor: the process was reparented
-    to init or a subreaper when the actor died)."""
+def _started(pid: int | str, boot: float, ticks: int) -> tuple[str, int, float]:
+    """A process's state letter, parent PID and start time (time.time() scale), from /proc."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ..., starttime
+    return fields[0], int(fields[1]), boot + int(fields[19]) / ticks
+
+
+def haproxy_since(since: float) -> dict[int, str]:
+    """This environment's HAProxy processes started after `since` (a `time.time()`), each with
+    what holds it: "orphaned" (its parent is no longer a Ray actor: reparented when the actor died),
+    "ours" (a Ray actor started after `since` runs it) or "other" (an older Ray's actor)."""
     binary = haproxy_binary()
     if binary is None:
         return {}
@@ -78,46 +85,45 @@ def haproxy_since(since: float) -> dict[int, bool]:
         if not entry.name.isdigit():
             continue
         try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
+            if (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") != binary:
+                continue
+            state, ppid, started = _started(entry.name, boot, ticks)
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if cmd[0].decode(errors="replace") != binary:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-        ppid, started = int(fields[1]), boot + int(fields[19]) / ticks
-        if started < since - 1 or fields[0] == "Z":
+        if started < since - 1 or state == "Z":
             continue
         try:
-            parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+            actor = Path(f"/proc/{ppid}/cmdline").read_bytes().startswith(b"ray::")
+            parent_started = _started(ppid, boot, ticks)[2]
         except OSError:
-            parent = b""
-        found[int(entry.name)] = not parent.startswith(b"ray::")
+            actor, parent_started = False, 0.0
+        found[int(entry.name)] = "other" if actor and parent_started < since - 1 else "ours" if actor else "orphaned"
     return found
 
 
 def orphaned_haproxy(since: float) -> list[int]:
     """PIDs of this environment's HAProxy processes started after `since` whose Ray actor is gone."""
-    return [pid for pid, orphaned in haproxy_since(since).items() if orphaned]
+    return [pid for pid, holder in haproxy_since(since).items() if holder == "orphaned"]
 
 
 def reap_orphaned_haproxy(since: float, settle_s: float = 30.0, timeout_s: float = 10.0,
                           quiet_s: float = 1.0) -> list[int]:
-    """Stop the HAProxy processes started after `since` that outlive their Ray: call it once that
-    Ray is shut down. Its actors die a moment after the shutdown returns (and a manager may start a
-    last HAProxy meanwhile), so this waits up to `settle_s` until every such HAProxy has either
-    exited or been orphaned and stopped (SIGTERM, SIGKILL after `timeout_s`), and at least `quiet_s`
-    (a manager respawns a HAProxy that died within milliseconds). Returns the PIDs stopped."""
+    """Stop the HAProxy processes started after `since` that outlive their Ray: call it once a Ray
+    started after `since` is shut down. Its actors die a moment after the shutdown returns (and a
+    manager may start a last HAProxy meanwhile), so this waits up to `settle_s` until no HAProxy of
+    such an actor is left, stopping each orphan (SIGTERM, SIGKILL after `timeout_s`), and at least
+    `quiet_s` (a manager respawns a HAProxy that died within milliseconds). An older Ray's HAProxy
+    (a cluster a command deployed to) is neither waited for nor stopped. Returns the PIDs stopped."""
     stopped: list[int] = []
     start = time.monotonic()
     deadline = start + settle_s
     while True:
         found = haproxy_since(since)
-        orphans = [pid for pid, orphaned in found.items() if orphaned]
+        orphans = [pid for pid, holder in found.items() if holder == "orphaned"]
         _stop(orphans, timeout_s)
         stopped += orphans
         now = time.monotonic()
-        if (len(orphans) == len(found) and now >= start + quiet_s) or now > deadline:
+        if ("ours" not in found.values() and now >= start + quiet_s) or now > deadline:
             return stopped
         time.sleep(0.2)
 
@@ -147,8 +153,8 @@ def run(argv: list[str]) -> int:
     beside = os.path.join(os.path.dirname(sys.executable), argv[0])  # `serve` of this environment
     command = [beside, *argv[1:]] if os.sep not in argv[0] and os.access(beside, os.X_OK) else argv
     since = time.time()
-    child = subprocess.Popen(command)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child has it too, and stops; we wait for it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child gets Ctrl-C too, and stops; we wait for it
+    child = subprocess.Popen(command, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
     code = child.wait()
     if code < 0:  # killed by a signal: the shell's convention
