@@ -106,24 +106,25 @@ def orphaned_haproxy(since: float) -> list[int]:
     return [pid for pid, holder in haproxy_since(since).items() if holder == "orphaned"]
 
 
-def reap_orphaned_haproxy(since: float, settle_s: float = 30.0, timeout_s: float = 10.0,
+def reap_orphaned_haproxy(since: float, settle_s: float = 15.0, timeout_s: float = 10.0,
                           quiet_s: float = 1.0) -> list[int]:
     """Stop the HAProxy processes started after `since` that outlive their Ray: call it once a Ray
     started after `since` is shut down. Its actors die a moment after the shutdown returns (and a
-    manager may start a last HAProxy meanwhile), so this waits up to `settle_s` until no HAProxy of
-    such an actor is left, stopping each orphan (SIGTERM, SIGKILL after `timeout_s`), and at least
-    `quiet_s` (a manager respawns a HAProxy that died within milliseconds). An older Ray's HAProxy
-    (a cluster a command deployed to) is neither waited for nor stopped. Returns the PIDs stopped."""
+    manager may start a last HAProxy meanwhile), so this stops each orphan as it appears, for at
+    least `quiet_s` (a manager respawns a HAProxy that died within milliseconds) and until no
+    HAProxy of such an actor is left; one still held by such an actor after `settle_s` (the actor
+    outlived its Ray too) is stopped then. SIGTERM, then SIGKILL after `timeout_s`. An older Ray's
+    HAProxy (a cluster a command deployed to) is left alone. Returns the PIDs stopped."""
     stopped: list[int] = []
     start = time.monotonic()
-    deadline = start + settle_s
     while True:
         found = haproxy_since(since)
-        orphans = [pid for pid, holder in found.items() if holder == "orphaned"]
-        _stop(orphans, timeout_s)
-        stopped += orphans
         now = time.monotonic()
-        if ("ours" not in found.values() and now >= start + quiet_s) or now > deadline:
+        late = now > start + settle_s
+        doomed = [pid for pid, holder in found.items() if holder == "orphaned" or (late and holder == "ours")]
+        _stop(doomed, timeout_s)
+        stopped += doomed
+        if late or ("ours" not in found.values() and now >= start + quiet_s):
             return stopped
         time.sleep(0.2)
 
