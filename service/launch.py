@@ -63,10 +63,15 @@ def haproxy_binary() -> str | None:
     return str(Path(spec.origin).parent / "bin" / "haproxy")
 
 
-def _started(pid: int | str, boot: float, ticks: int) -> tuple[str, int, float]:
-    """A process's state letter, parent PID and start time (time.time() scale), from /proc."""
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields after "pid (comm)": state, ppid, ..., starttime at index 19."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ..., starttime
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _started(pid: int | str, boot: float, ticks: int) -> tuple[str, int, float]:
+    """A process's state letter, parent PID and start time (time.time() scale)."""
+    fields = _stat(pid)
     return fields[0], int(fields[1]), boot + int(fields[19]) / ticks
 
 
@@ -137,13 +142,14 @@ def _stop(pids: list[int], timeout_s: float) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        while time.monotonic() < deadline and any(running(pid) for pid in pids):
             time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a stopped process stays one until its parent reaps it)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+        return _stat(pid)[0] != "Z"
     except OSError:
         return False
 

@@ -43,6 +43,7 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -244,6 +245,19 @@ def check_throughput(s: Sizes, work: Path, deadline: float, profile_steps: int =
         check.detail["skipped_hf"] = "time budget"
         check.status = "fail"
     return check, rows
+
+
+def run_part(name: str, part: Callable[[], Check]) -> Check:
+    """A benchmark part, timed; an exception it raises is its check's error, and the run goes on."""
+    t0 = time.perf_counter()
+    try:
+        check = part()
+    except Exception as exc:
+        check = Check(name, "error", {"error": f"{type(exc).__name__}: {exc}",
+                                      "traceback": traceback.format_exc(limit=6)})
+    check.seconds = round(time.perf_counter() - t0, 1)
+    logger.info("%s: %s (%.1f s)", name, check.status, check.seconds)
+    return check
 
 
 def checkpoint(s: Sizes, work: Path) -> Path:
@@ -473,27 +487,17 @@ def main(argv: list[str] | None = None) -> int:
         if "throughput" in skip:
             checks.append(Check("throughput", "skipped"))
         else:
-            t0 = time.perf_counter()
-            try:
-                check, rows = check_throughput(s, work, start + args.budget_s, args.profile_steps, not args.no_hf)
-            except Exception as exc:
-                check = Check("throughput", "error", {"error": f"{type(exc).__name__}: {exc}",
-                                                      "traceback": traceback.format_exc(limit=6)})
-            check.seconds = round(time.perf_counter() - t0, 1)
-            checks.append(check)
+            def throughput() -> Check:
+                check, got = check_throughput(s, work, start + args.budget_s, args.profile_steps, not args.no_hf)
+                rows.extend(got)
+                return check
+
+            checks.append(run_part("throughput", throughput))
         report()
         if "startup" in skip:
             checks.append(Check("startup", "skipped"))
         else:
-            t0 = time.perf_counter()
-            try:
-                check = check_startup(s, work)
-            except Exception as exc:
-                check = Check("startup", "error", {"error": f"{type(exc).__name__}: {exc}",
-                                                   "traceback": traceback.format_exc(limit=6)})
-            check.seconds = round(time.perf_counter() - t0, 1)
-            logger.info("startup: %s %s", check.status, check.detail)
-            checks.append(check)
+            checks.append(run_part("startup", lambda: check_startup(s, work)))
     final = report(rooflines=True)  # the machine's bounds, measured after the benchmark
     print_table(final)
     written = write_docs_result_or_say_why(args, [final]) if args.result else 0

@@ -6,7 +6,7 @@ speculative-decoding argument, `engine.py` the engine's (`EngineConfig`) and wha
 (EOS, BOS) are the tokenizer's (`model.loading.tokenizer`), the one place they come from.
 """
 
-from model.config.engine import EngineConfig, RuntimeInfo
+from model.config.engine import EngineConfig, RuntimeInfo, max_concurrency
 from model.config.fields import REQUIRED, described
 from model.config.model import (ATTENTION_BACKENDS, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB, BYTE_VOCAB_SIZE,
                                 KV_CACHE_DTYPES, PRESETS, QUANTIZATION_ACTIVATIONS, QUANTIZATION_GROUP_SIZES,
@@ -22,5 +22,5 @@ __all__ = [
     "ROPE_SCALING_TYPES", "SCHEDULING_POLICIES", "Arch", "AttentionBackend", "AttentionKind", "EngineConfig",
     "GemmaOptions", "KVCacheDtype", "MoEActivation", "MoEConfig", "MoERouting", "ModelConfig", "Quantization",
     "QuantizationActivations", "QuantizationGroupSize", "QuantizeLmHead", "RopeScaling", "RuntimeInfo", "SchedulingPolicy",
-    "SpeculativeConfig", "VisionConfig", "described",
+    "SpeculativeConfig", "VisionConfig", "described", "max_concurrency",
 ]

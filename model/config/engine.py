@@ -242,6 +242,9 @@ class RuntimeInfo:
 
     @property
     def max_concurrency(self) -> float:
-        """Sequences of max_model_len tokens the KV cache holds at once."""
-        per_seq = -(-self.max_model_len // self.block_size)
-        return self.num_kv_blocks / per_seq
+        return max_concurrency(self.num_kv_blocks, self.block_size, self.max_model_len)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_len: int) -> float:
+    """How many sequences of `max_len` tokens `num_blocks` blocks hold at once (vLLM's start-up figure)."""
+    return num_blocks / -(-max_len // block_size)

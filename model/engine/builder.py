@@ -74,17 +74,10 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
                                                               quantize_lm_head=head or False)
     phases["load"] = time.perf_counter() - started
     quant = quantization_of(net)
-    max_len = min(ec.max_model_len or cfg.max_position, cfg.max_position)
-    kv_dtype = dt if ec.kv_cache_dtype == "auto" else getattr(torch, ec.kv_cache_dtype)
+    max_len, kv_dtype = model_len(ec, cfg), cache_dtype(ec, dt)
     plan = memory_plan(ec, cfg, net, max_len, kv_dtype, dev, phases)
     num_blocks = plan.num_blocks
-    if plan.source == "num_kv_blocks":  # an override (vLLM's num_gpu_blocks_override): requests too long get a 400
-        try:
-            check_fits(num_blocks, ec.block_size, max_len, widest_window(cfg), plan)
-        except ValueError as e:
-            logger.warning("%s (num_kv_blocks is an override: the engine starts anyway)", e)
-    else:
-        check_fits(num_blocks, ec.block_size, max_len, widest_window(cfg), plan)
+    refuse_unfit(plan, ec, cfg, max_len)
     logger.info("memory: %s", describe(plan, ec.block_size, max_len))
     allocated = time.perf_counter()
     # One block more than the block manager hands out: the scratch block where padding rows of
@@ -192,10 +185,31 @@ def check_sizing(model: str, ec: EngineConfig, device: str = "cpu", dtype: str =
     source = resolve_model(model, revision)
     cfg = PRESETS[source] if source in PRESETS else load_config(source)
     dt = resolve_dtype(dtype, dev, model_dtype(source))
-    max_len = min(ec.max_model_len or cfg.max_position, cfg.max_position)
-    kv_dtype = dt if ec.kv_cache_dtype == "auto" else getattr(torch, ec.kv_cache_dtype)
-    plan = memory_plan(ec, cfg, None, max_len, kv_dtype, torch.device("cpu"), {})
-    check_fits(plan.num_blocks, ec.block_size, max_len, widest_window(cfg), plan)
+    max_len = model_len(ec, cfg)
+    plan = memory_plan(ec, cfg, None, max_len, cache_dtype(ec, dt), torch.device("cpu"), {})
+    refuse_unfit(plan, ec, cfg, max_len)
+
+
+def model_len(ec: EngineConfig, cfg: ModelConfig) -> int:
+    """The engine's max_model_len: the one asked for, never past the model's own."""
+    return min(ec.max_model_len or cfg.max_position, cfg.max_position)
+
+
+def cache_dtype(ec: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: `kv_cache_dtype`, or the weights' for auto."""
+    return dtype if ec.kv_cache_dtype == "auto" else getattr(torch, ec.kv_cache_dtype)
+
+
+def refuse_unfit(plan: MemoryPlan, ec: EngineConfig, cfg: ModelConfig, max_len: int) -> None:
+    """`check_fits`'s ValueError when one max_len sequence cannot fit the planned cache; only a
+    warning for `num_kv_blocks` (an override, as vLLM's num_gpu_blocks_override: a request too long
+    for the pool still gets its 400)."""
+    try:
+        check_fits(plan.num_blocks, ec.block_size, max_len, widest_window(cfg), plan)
+    except ValueError as e:
+        if plan.source != "num_kv_blocks":
+            raise
+        logger.warning("%s (num_kv_blocks is an override: the engine starts anyway)", e)
 
 
 def use_compile_cache(directory: str | None) -> Path:

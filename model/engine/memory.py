@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from model.config import max_concurrency
 from model.engine.kv.block_manager import blocks_for
 
 logger = logging.getLogger(__name__)
@@ -150,11 +151,6 @@ def check_fits(num_blocks: int, block_size: int, max_len: int, window: int | Non
         f"max_model_len {max_len} does not fit in the KV cache: {num_blocks} blocks of {block_size} tokens "
         f"({plan.kv_cache_bytes / GiB:.2f} GiB, from {plan.source}) hold one sequence of at most {fits} tokens. "
         f"Set max_model_len <= {fits}, or make the cache larger ({KNOBS})")
-
-
-def max_concurrency(num_blocks: int, block_size: int, max_len: int) -> float:
-    """How many sequences of `max_len` tokens the cache holds at once (vLLM's start-up figure)."""
-    return num_blocks / blocks_for(max_len, block_size)
 
 
 def describe(plan: MemoryPlan, block_size: int, max_len: int) -> str:

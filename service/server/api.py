@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from model.config import max_concurrency
 from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthropic_error_response
 from service.errors import APIError, from_validation_error
 from service.explorer.attention_api import add_attention_routes
@@ -285,8 +286,8 @@ def model_cards(serving: OpenAIServing, created: int) -> list[dict[str, Any]]:
             "max_model_len": info.max_model_len,
             "kv_cache": {"num_blocks": info.num_kv_blocks, "block_size": info.block_size,
                          "capacity_tokens": info.num_kv_blocks * info.block_size,
-                         # sequences of max_model_len tokens the cache holds at once
-                         "max_concurrency": round(info.num_kv_blocks / -(-info.max_model_len // info.block_size), 2)},
+                         "max_concurrency": round(max_concurrency(info.num_kv_blocks, info.block_size,
+                                                                  info.max_model_len), 2)},
             "tool_call_parser": serving.tool_format.name if serving.tool_format else None,
             "reasoning_parser": "think" if serving.reasoning else None,
             "quantization": info.quantization["method"] if info.quantization else "none",

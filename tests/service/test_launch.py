@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service.launch import haproxy_binary, orphaned_haproxy, reap_orphaned_haproxy
+from service.launch import haproxy_binary, orphaned_haproxy, reap_orphaned_haproxy, running
 from tests.support.polling import wait_until
 
 HAPROXY_CONFIG = """global
@@ -33,14 +33,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a stopped process stays one until init reaps it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _orphaned_haproxy(tmp_path: Path) -> int:
@@ -64,7 +56,7 @@ def test_an_orphaned_haproxy_of_this_environment_is_stopped_and_nothing_else(tmp
     pid = _orphaned_haproxy(tmp_path)
     assert orphaned_haproxy(time.time() + 60) == []  # only those started after `since`
     assert reap_orphaned_haproxy(since) == [pid]
-    assert not _running(pid) and orphaned_haproxy(since) == []
+    assert not running(pid) and orphaned_haproxy(since) == []
 
 
 def test_the_launcher_returns_its_commands_status_and_stops_what_it_left(tmp_path: Path) -> None:
@@ -78,4 +70,4 @@ def test_the_launcher_returns_its_commands_status_and_stops_what_it_left(tmp_pat
     assert run.returncode == 3, run.stderr
     pid = int((tmp_path / "pid").read_text())
     assert f"stopped 1 HAProxy process(es) Ray Serve left running: [{pid}]" in run.stderr
-    wait_until(lambda: not _running(pid), 10, "the stopped HAProxy to be reaped")
+    wait_until(lambda: not running(pid), 10, "the stopped HAProxy to be reaped")
