@@ -34,6 +34,7 @@ from model.engine.spec_decode.decoder import SpecDecoder
 from model.engine.spec_decode.draft import DraftProposer
 from model.inspect.attention_spec import AttentionShape
 from model.layers.kv_cache import KVCache
+from model.layers.linear.fuse import fuse_projections
 from model.loading.checkpoint import load_config
 from model.loading.loading import is_preset, load_weights, model_dtype, resolve_device, resolve_dtype, resolve_model
 from model.loading.pooling_config import read_pooling_config
@@ -72,6 +73,7 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
         head = head_scheme(ec.quantize_lm_head, layers, dev)
         cfg, net, tokenizer, generation_config = load_weights(source, dt, dev, quantize=layers,
                                                               quantize_lm_head=head or False)
+        fuse_projections(net)  # q/k/v and gate/up as one product each (model/layers/linear/fuse.py)
     phases["load"] = time.perf_counter() - started
     quant = quantization_of(net)
     max_len, kv_dtype = model_len(ec, cfg), cache_dtype(ec, dt)

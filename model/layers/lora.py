@@ -56,29 +56,37 @@ class LoraState:
 
 
 class LoraLinear(nn.Module):
-    """base(x) + per row of x its slot's x A^T (B scale)^T; rows without a slot get base(x)."""
+    """base(x) + per row of x its slot's x A^T (B scale)^T; rows without a slot get base(x).
+
+    A base fused from parts at load (`fused_from`, model/layers/linear/fuse.py: q/k/v, gate/up)
+    has one segment per part, each with its own A and B per slot, added to the part's columns of
+    the output: an adapter of the unfused model's `q_proj` applies to the fused `qkv_proj` unchanged."""
 
     def __init__(self, base: nn.Module, state: LoraState, max_loras: int, max_rank: int) -> None:
         super().__init__()
         self.base = base
         self.state = state
         self.in_features, self.out_features = base.in_features, base.out_features
+        parts = getattr(base, "fused_from", None) or (("", self.out_features),)
+        offsets = [sum(size for _, size in parts[:i]) for i in range(len(parts))]
+        self.segments = [(name, offset, size) for (name, size), offset in zip(parts, offsets, strict=True)]
         # The activations' dtype: the weight's, or a quantized layer's scales'.
         ref = base.scales if isinstance(base, QuantizedLinear) else base.weight
         dtype = ref.dtype
-        self.lora_a = torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=ref.device)
+        self.lora_a = torch.zeros(max_loras, len(parts), max_rank, self.in_features, dtype=dtype, device=ref.device)
         self.lora_b = torch.zeros(max_loras, self.out_features, max_rank, dtype=dtype, device=ref.device)
-        self.ranks = [0] * max_loras  # 0: the slot's adapter does not target this layer
+        self.ranks = [[0] * len(parts) for _ in range(max_loras)]  # 0: the slot's adapter skips that segment
 
-    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Put A (r, in) and B already scaled (out, r) in `slot`; None clears it."""
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, segment: int = 0) -> None:
+        """Put A (r, in) and B already scaled (size, r) in `slot` for `segment`; None clears it."""
         if a is None or b is None:
-            self.ranks[slot] = 0
+            self.ranks[slot][segment] = 0
             return
+        _, offset, size = self.segments[segment]
         r = a.shape[0]
-        self.lora_a[slot, :r].copy_(a)
-        self.lora_b[slot, :, :r].copy_(b)
-        self.ranks[slot] = r
+        self.lora_a[slot, segment, :r].copy_(a)
+        self.lora_b[slot, offset:offset + size, :r].copy_(b)
+        self.ranks[slot][segment] = r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -87,13 +95,29 @@ class LoraLinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, self.in_features), y.view(-1, self.out_features)  # (T, in), (T, out)
         for slot, rows in batch.groups:
-            r = self.ranks[slot]
-            if r == 0:
-                continue
-            xs = flat_x.index_select(0, rows).to(self.lora_a.dtype)  # (n, in)
-            delta = (xs @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :, :r].T  # (n, out)
-            flat_y.index_add_(0, rows, delta.to(flat_y.dtype))
+            xs = None
+            for segment, (_, offset, size) in enumerate(self.segments):
+                r = self.ranks[slot][segment]
+                if r == 0:
+                    continue
+                if xs is None:
+                    xs = flat_x.index_select(0, rows).to(self.lora_a.dtype)  # (n, in)
+                b = self.lora_b[slot, offset:offset + size, :r]
+                delta = (xs @ self.lora_a[slot, segment, :r].T) @ b.T  # (n, size)
+                flat_y[:, offset:offset + size].index_add_(0, rows, delta.to(flat_y.dtype))
         return y
+
+
+class LoraSegment:
+    """One part of a fused projection as an adapter names it (`layers.0.self_attn.q_proj`): its
+    shape, and its slots in the fused layer's `LoraLinear`."""
+
+    def __init__(self, layer: LoraLinear, segment: int) -> None:
+        self.layer, self.segment = layer, segment
+        self.in_features, self.out_features = layer.in_features, layer.segments[segment][2]
+
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        self.layer.set_slot(slot, a, b, self.segment)
 
 
 def lora_targets(model: nn.Module) -> list[str]:
@@ -103,14 +127,23 @@ def lora_targets(model: nn.Module) -> list[str]:
             if isinstance(m, (nn.Linear, QuantizedLinear)) and name.split(".")[0] in ("layers", "blocks")]
 
 
-def wrap_lora(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoraState, dict[str, LoraLinear]]:
+LoraTarget = LoraLinear | LoraSegment
+
+
+def wrap_lora(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoraState, dict[str, LoraTarget]]:
     """Replace every `lora_targets` module by a `LoraLinear` around it (in place); the shared state
-    and the wrappers by the wrapped module's name."""
+    and what adapters target, by the names of the unfused model: each wrapper by its module's name,
+    and a fused projection's parts (`LoraSegment`) by theirs."""
     state = LoraState()
-    wrapped: dict[str, LoraLinear] = {}
+    wrapped: dict[str, LoraTarget] = {}
     for name in lora_targets(model):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        wrapped[name] = LoraLinear(getattr(parent, child), state, max_loras, max_rank)
-        setattr(parent, child, wrapped[name])
+        layer = LoraLinear(getattr(parent, child), state, max_loras, max_rank)
+        setattr(parent, child, layer)
+        if getattr(layer.base, "fused_from", None):
+            for segment, (part, _, _) in enumerate(layer.segments):
+                wrapped[f"{parent_name}.{part}"] = LoraSegment(layer, segment)
+        else:
+            wrapped[name] = layer
     return state, wrapped

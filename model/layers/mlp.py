@@ -8,6 +8,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.layers.linear.dense import Linear
+from model.layers.linear.fuse import fuse_linears
 
 
 class FeedForward(nn.Module):
@@ -30,7 +31,8 @@ GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate
 
 class GatedMLP(nn.Module):
     """A gated MLP: down(act(gate(x)) * up(x)), d_model -> d_ff -> d_model; SwiGLU with `silu`
-    (Llama), GeGLU with `gelu_tanh` (Gemma's gelu_pytorch_tanh)."""
+    (Llama), GeGLU with `gelu_tanh` (Gemma's gelu_pytorch_tanh). Loaded with HF's `gate_proj`
+    and `up_proj`; `fuse_projections` makes them one `gate_up_proj` (gate rows first)."""
 
     def __init__(self, cfg: ModelConfig, activation: str = "silu") -> None:
         super().__init__()
@@ -38,8 +40,24 @@ class GatedMLP(nn.Module):
         self.up_proj = Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
         self.act = GATE_ACTIVATIONS[activation]
+        self.d_ff = cfg.d_ff
+        self.fused = False
+
+    def fuse_projections(self) -> bool:
+        """gate and up as one product (model/layers/linear/fuse.py); False when they cannot be."""
+        if self.fused:
+            return False
+        fused = fuse_linears([self.gate_proj, self.up_proj], ("gate_proj", "up_proj"))
+        if fused is None:
+            return False
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj, self.fused = fused, True
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.gate_up_proj(x).split(self.d_ff, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

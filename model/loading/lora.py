@@ -103,10 +103,11 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
     return raw
 
 
-def load_adapter(name: str, source: str, modules: dict[str, str], targets: dict[str, nn.Module],
+def load_adapter(name: str, source: str, modules: dict[str, str], targets: dict[str, Any],
                  max_rank: int, dtype: torch.dtype) -> LoraAdapter:
     """Read and check one adapter against the base model: `modules` maps HF module names to ours
-    (`hf_module_names`), `targets` our wrappable modules by name. Raises LoraError."""
+    (`hf_module_names`), `targets` what an adapter may target by our name (each with its
+    `in_features` and `out_features`). Raises LoraError."""
     directory = resolve_adapter_dir(source)
     raw = read_adapter_config(directory)
     r, alpha = raw["r"], float(raw.get("lora_alpha", raw["r"]))

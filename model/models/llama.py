@@ -18,6 +18,7 @@ from model.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from model.layers.attention import DotScore, PagedAttention
 from model.layers.kv_cache import AttnMetadata, KVCache
 from model.layers.linear.dense import Linear, linear
+from model.layers.linear.fuse import fuse_linears
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.positions import RotaryEmbedding
@@ -33,7 +34,10 @@ def rotary_dim(cfg: ModelConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projections (Hq and Hkv heads of head_dim), optional q/k norms, RoPE, paged attention."""
+    """q/k/v projections (Hq and Hkv heads of head_dim), optional q/k norms, RoPE, paged attention.
+
+    Loaded with HF's `q_proj`, `k_proj` and `v_proj`; `fuse_projections` makes them one
+    `qkv_proj` (rows: q, then k, then v), the layout Phi-3's checkpoints store."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -48,14 +52,26 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.attention_sinks else None  # gpt-oss
         self.attn = PagedAttention(layer, cfg.d_head, DotScore(cfg.d_head), window=cfg.layer_window(layer))
+        self.fused = False
+
+    def fuse_projections(self) -> bool:
+        """q, k and v as one product (model/layers/linear/fuse.py); False when they cannot be."""
+        if self.fused:
+            return False
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj], ("q_proj", "k_proj", "v_proj"))
+        if fused is None:
+            return False
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj, self.fused = fused, True
+        return True
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, d_model) -> q (T, Hq, d), k and v (T, Hkv, d)."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.d_head)
-        k = self.k_proj(x).view(t, self.n_kv, self.d_head)
-        v = self.v_proj(x).view(t, self.n_kv, self.d_head)
-        return q, k, v
+        t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv, self.d_head
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+            return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+        return self.q_proj(x).view(t, hq, d), self.k_proj(x).view(t, hkv, d), self.v_proj(x).view(t, hkv, d)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttnMetadata, cache: KVCache) -> torch.Tensor:
         """x (T, d_model) -> (T, d_model)."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from model.config import ModelConfig
 from model.layers.linear.dense import Linear
 from model.layers.mlp import FusedGatedMLP
@@ -22,17 +20,13 @@ from model.models.weight_map import ArchitectureSpec
 
 
 class Phi3Attention(LlamaAttention):
-    """LlamaAttention reading q, k and v from one fused projection."""
+    """LlamaAttention reading q, k and v from one fused projection, as the checkpoint stores it."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__(cfg, layer)
         del self.q_proj, self.k_proj, self.v_proj
         self.qkv_proj = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t, hq, hkv, d = x.shape[0], self.n_heads, self.n_kv, self.d_head
-        q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
-        return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+        self.fused = True
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

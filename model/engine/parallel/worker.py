@@ -22,6 +22,7 @@ from model.engine.host_memory import keep_freed_memory
 from model.engine.parallel.sharding import Collectives, build_shard, kv_heads_of
 from model.engine.runner import FlatStep, ModelRunner
 from model.layers.kv_cache import KVCache
+from model.layers.linear.fuse import fuse_projections
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class TensorParallelWorker:
         cfg = setup.cfg
         dtype = getattr(torch, setup.dtype)
         self.model = build_shard(setup.source, cfg, self.world, self.rank, self.comm, dtype, device)
+        fuse_projections(self.model)  # this rank's q/k/v and gate/up shards, one product each
         _, kv = kv_heads_of(cfg, self.world, self.rank)
         cache = KVCache(cfg.n_layers, setup.num_blocks, setup.block_size, kv, cfg.d_head,
                         getattr(torch, setup.kv_cache_dtype), device)

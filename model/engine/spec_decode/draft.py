@@ -12,6 +12,7 @@ from model.engine.runner import ModelRunner
 from model.engine.scheduler import ScheduledSeq
 from model.engine.sequence import Sequence
 from model.layers.kv_cache import KVCache
+from model.layers.linear.fuse import fuse_projections
 from model.loading.loading import load_weights, resolve_model
 from model.sampling.sampler import SamplingRow, sampling_probs
 
@@ -20,6 +21,7 @@ class DraftProposer:
     def __init__(self, model: str, target_vocab: int, target_eos: frozenset[int], num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto") -> None:
         cfg, net, tokenizer, _ = load_weights(resolve_model(model, None), dtype, device)
+        fuse_projections(net)
         if cfg.vocab_size != target_vocab:
             raise ValueError(f"speculative_config: draft model {model!r} has a vocabulary of {cfg.vocab_size} "
                              f"tokens, the target {target_vocab}; a draft must share the target's tokenizer")

@@ -206,7 +206,7 @@ def test_int8_quantizes_the_decoder_not_the_vision_tower(vl_dir: Path, llm: LLM)
 
     q = LLM(str(vl_dir), dtype="float32", quantization="int8", quantization_group_size=32)
     net = q.engine.runner.model
-    assert isinstance(net.layers[0].self_attn.q_proj, QuantizedLinear)
+    assert isinstance(net.layers[0].self_attn.qkv_proj, QuantizedLinear)  # q, k and v fused at load
     assert not any(isinstance(m, QuantizedLinear) for m in net.visual.modules())
     prompt = {"prompt": PROMPT_1, "multi_modal_data": {"image": random_image(60)}}
     assert len(q.generate(prompt, GREEDY)[0].token_ids) == 32
