@@ -29,34 +29,17 @@ RESULTS = REPO / "docs" / "results"
 # honestly: no file records the torch version it ran with, nor (but by its commit's suffix)
 # whether its tree was clean.
 MEASURED_WITHOUT_PROVENANCE = {
-    "bench_attention.json": "dirty tree (233b95c-dirty); no torch version",
-    "bench_engine.json": "dirty tree (5dc9ba5-dirty); no torch version",
     "bench_held_load.json": "dirty tree (5778a7d-dirty); no torch version",
-    "bench_image_cost.json": "dirty tree (ae19a07-dirty); no torch version",
-    "bench_kv_cache_dtype.json": "dirty tree (233b95c-dirty); no torch version",
-    "bench_kv_offload.json": "dirty tree (16dd470-dirty); no torch version",
-    "bench_kv_share.json": "dirty tree (a521d1e-dirty); no torch version",
-    "bench_linear_rows.json": "no torch version, no dirty flag",
     "bench_llama_cpp.json": "no torch version, no dirty flag",
     "bench_llama_cpp_a8.json": "dirty tree (e342b61-dirty); no torch version",
     "bench_llama_cpp_head8.json": "no torch version, no dirty flag",
-    "bench_lora.json": "dirty tree (233b95c-dirty); no torch version",
     "bench_multi_model.json": "dirty tree (5778a7d-dirty); no torch version",
-    "bench_pd_transfer.json": "no torch version, no dirty flag",
     "bench_pd_transfer_pool_copy.json": "its commit was set by hand (the GPU machine's copy wrote 21924dc-dirty); "
                                         "no torch version",
-    "bench_prefill_dtype.json": "dirty tree (233b95c-dirty); no torch version",
-    "bench_prefix_cache.json": "dirty tree (233b95c-dirty); no torch version",
-    "bench_quant.json": "no torch version, no dirty flag",
-    "bench_quant_products.json": "no torch version, no dirty flag",
     "bench_service.json": "dirty tree (5778a7d-dirty); no torch version",
-    "bench_spec_decode.json": "dirty tree (233b95c-dirty); no torch version",
-    "bench_structured.json": "dirty tree (233b95c-dirty); no torch version",
     "bench_tenant_fairness.json": "no torch version, no dirty flag",
-    "bench_tensor_parallel.json": "dirty tree (233b95c-dirty); no torch version",
     "device_check.json": "command and commit 'not recorded'; no CPU model or cores",
     "profile_decode_split.json": "dirty tree (5dc9ba5-dirty); no torch version",
-    "quant_accuracy.json": "dirty tree (860b71c-dirty); no torch version",
 }
 CLEAN = provenance.RunStart("python loadtests/benchmarks/demo.py --out x.json", "abc1234", False, "0" * 64)
 
