@@ -25,10 +25,6 @@ from torch import nn
 from model.layers.linear.dense import Linear
 from model.layers.linear.quantized import QuantizedLinear
 
-# (part name, output features) in output order, on a module fused from parts (read by LoRA).
-FusedParts = tuple[tuple[str, int], ...]
-
-
 def fuse_linears(parts: Sequence[nn.Module], names: Sequence[str]) -> nn.Module | None:
     """One linear layer whose output is `parts`' outputs concatenated (in order), or None when
     they cannot share one product. The fused layer's `fused_from` names the parts and their sizes."""
@@ -37,7 +33,7 @@ def fuse_linears(parts: Sequence[nn.Module], names: Sequence[str]) -> nn.Module 
             or any(p.in_features != first.in_features or (p.bias is None) != (first.bias is None) for p in parts)):
         return None
     fused = _fuse_quantized(parts) if isinstance(first, QuantizedLinear) else _fuse_dense(parts)
-    if fused is not None:
+    if fused is not None:  # (part name, its output features) in output order, read by LoRA
         fused.fused_from = tuple((name, p.out_features) for name, p in zip(names, parts, strict=True))
     return fused
 
