@@ -121,7 +121,8 @@ def convert(tree: Path, bin_dir: Path, ckpt: Path, out_dir: Path, types: list[st
 
 def _run(cmd: list[str]) -> str:
     """Run `cmd`; its output, or an error that carries the end of it."""
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    # errors="replace": the converter prints tokens that are not UTF-8, which must not end the run
+    out = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     if out.returncode:
         raise RuntimeError(f"{Path(cmd[0]).name} exited with {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}")
     return out.stdout + out.stderr
