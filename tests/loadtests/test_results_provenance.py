@@ -32,12 +32,8 @@ MEASURED_WITHOUT_PROVENANCE = {
     "bench_held_load.json": "dirty tree (5778a7d-dirty); no torch version",
     "bench_llama_cpp.json": "no torch version, no dirty flag",
     "bench_llama_cpp_a8.json": "dirty tree (e342b61-dirty); no torch version",
-    "bench_llama_cpp_head8.json": "no torch version, no dirty flag",
-    "bench_multi_model.json": "dirty tree (5778a7d-dirty); no torch version",
     "bench_pd_transfer_pool_copy.json": "its commit was set by hand (the GPU machine's copy wrote 21924dc-dirty); "
                                         "no torch version",
-    "bench_service.json": "dirty tree (5778a7d-dirty); no torch version",
-    "bench_tenant_fairness.json": "no torch version, no dirty flag",
     "device_check.json": "command and commit 'not recorded'; no CPU model or cores",
     "profile_decode_split.json": "dirty tree (5dc9ba5-dirty); no torch version",
 }
