@@ -35,7 +35,6 @@ MEASURED_WITHOUT_PROVENANCE = {
     "bench_pd_transfer_pool_copy.json": "its commit was set by hand (the GPU machine's copy wrote 21924dc-dirty); "
                                         "no torch version",
     "device_check.json": "command and commit 'not recorded'; no CPU model or cores",
-    "profile_decode_split.json": "dirty tree (5dc9ba5-dirty); no torch version",
 }
 CLEAN = provenance.RunStart("python loadtests/benchmarks/demo.py --out x.json", "abc1234", False, "0" * 64)
 
