@@ -8,7 +8,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.layers.linear.dense import Linear
-from model.layers.linear.fuse import fuse_linears
+from model.layers.linear.fuse import fuse_parts
 
 
 class FeedForward(nn.Module):
@@ -45,14 +45,7 @@ class GatedMLP(nn.Module):
 
     def fuse_projections(self) -> bool:
         """gate and up as one product (model/layers/linear/fuse.py); False when they cannot be."""
-        if self.fused:
-            return False
-        fused = fuse_linears([self.gate_proj, self.up_proj], ("gate_proj", "up_proj"))
-        if fused is None:
-            return False
-        del self.gate_proj, self.up_proj
-        self.gate_up_proj, self.fused = fused, True
-        return True
+        return fuse_parts(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:

@@ -18,7 +18,7 @@ from model.config import ROPE_SCALING_TYPES, ModelConfig, RopeScaling
 from model.layers.attention import DotScore, PagedAttention
 from model.layers.kv_cache import AttnMetadata, KVCache
 from model.layers.linear.dense import Linear, linear
-from model.layers.linear.fuse import fuse_linears
+from model.layers.linear.fuse import fuse_parts
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.positions import RotaryEmbedding
@@ -56,14 +56,7 @@ class LlamaAttention(nn.Module):
 
     def fuse_projections(self) -> bool:
         """q, k and v as one product (model/layers/linear/fuse.py); False when they cannot be."""
-        if self.fused:
-            return False
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj], ("q_proj", "k_proj", "v_proj"))
-        if fused is None:
-            return False
-        del self.q_proj, self.k_proj, self.v_proj
-        self.qkv_proj, self.fused = fused, True
-        return True
+        return fuse_parts(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, d_model) -> q (T, Hq, d), k and v (T, Hkv, d)."""

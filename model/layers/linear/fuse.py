@@ -88,6 +88,21 @@ def _fuse_quantized(parts: Sequence[QuantizedLinear]) -> QuantizedLinear | None:
     return fused
 
 
+def fuse_parts(owner: nn.Module, parts: tuple[str, ...], fused_name: str) -> bool:
+    """Replace `owner`'s linear layers `parts` by one named `fused_name` and set `owner.fused`;
+    False (nothing changed) when already fused or when the parts cannot share one product."""
+    if owner.fused:
+        return False
+    fused = fuse_linears([getattr(owner, name) for name in parts], parts)
+    if fused is None:
+        return False
+    for name in parts:
+        delattr(owner, name)
+    setattr(owner, fused_name, fused)
+    owner.fused = True
+    return True
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse the projections of every module that offers it (`fuse_projections()`: Llama-family
     attention's q/k/v, the gated MLP's gate/up), in place; the number of modules fused."""
