@@ -85,8 +85,11 @@ class EngineConfig:
                 "be built), flex on CUDA.")
     enforce_eager: bool | None = described(
         None, "True: decode steps run eagerly (vLLM's name). False: decode runs on static buffers padded to a "
-              "batch-size bucket, each bucket captured once in a CUDA graph and replayed (on the CPU the padded "
-              "path runs uncaptured). None: False on CUDA, True on the CPU. Prefill always runs eagerly.")
+              "batch-size bucket; on CUDA each bucket is captured once in a CUDA graph and replayed; on the CPU "
+              "the step is compiled with torch.compile at start-up (two graphs: batch 1, and one for every "
+              "larger bucket) where attention reads the cache through the fused kernel, and runs eagerly "
+              "otherwise. None: False on CUDA, True on the CPU (where compiling costs start-up time). Prefill "
+              "always runs eagerly.")
     quantization: Quantization = described(
         "none", "Weight-only quantization applied at load: int8 per output channel, int4 in groups of "
                 "`quantization_group_size` input columns. A GPTQ/AWQ checkpoint is loaded as its config.json's "

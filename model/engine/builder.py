@@ -117,7 +117,7 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
     blocks = BlockManager(num_blocks, ec.block_size, enable_prefix_caching=caching, salt=salt,
                           tier=tiers[0] if len(tiers) == 1 else Tiers(*tiers) if tiers else None)
     eos = frozenset(tokenizer.eos_token_ids)
-    return EngineParts(
+    parts = EngineParts(
         config=ec, model_name=model, device=dev, dtype=dt, kv_cache_dtype=kv_dtype, model_config=cfg,
         tokenizer=tokenizer, generation_config=generation_config, runner=runner,
         scheduler=scheduler_for(ec, cfg, blocks),
@@ -137,6 +137,12 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
         spec=spec_decoder(ec.speculative_config, cfg.vocab_size, eos, num_blocks, ec.block_size, dev, dt,
                           ec.attention_backend),
     )
+    graphs = getattr(runner, "graphs", None)
+    if graphs is not None and graphs.compiled is not None:  # after every switch the step's layers read (int8 activations)
+        compiling = time.perf_counter()
+        graphs.warm_up()
+        phases["compile"] = time.perf_counter() - compiling
+    return parts
 
 
 def memory_plan(ec: EngineConfig, cfg: ModelConfig, net: torch.nn.Module | None, max_len: int,

@@ -5,16 +5,22 @@ C++ CPU kernel, model/layers/paged_attention.py), `flex` (FlexAttention over the
 model/layers/flex_attention.py, the CUDA kernel). The runner puts the chosen kernels in each
 step's `AttnMetadata`; the model never knows which.
 
-Decode steps run on static buffers (`DecodeGraphs`): a decode-only batch of B sequences is copied into buffers padded to the next batch-size bucket,
-run, and the outputs sliced back to B rows. On CUDA each bucket's forward is captured once in a
-CUDA graph and replayed (vLLM's scheme); `enforce_eager` turns the static buffers and graphs
-off (by default on the CPU, where nothing is captured). Prefill runs eagerly.
+Decode steps run on static buffers (`DecodeGraphs`): a decode-only batch of B sequences is copied
+into buffers padded to the next batch-size bucket, run, and the outputs sliced back to B rows. On
+CUDA each bucket's forward is captured once in a CUDA graph and replayed (vLLM's scheme). On the
+CPU the forward over the buffers is compiled (torch.compile, Inductor's C++ backend; the project's
+kernels are custom ops with fake implementations, so the graph never breaks on them): one graph
+for batch 1 and one with the batch dimension dynamic for every other bucket, both compiled when
+the engine starts. `enforce_eager` turns the static buffers, graphs and compilation off. Prefill
+runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -168,8 +174,8 @@ class ModelRunner:
         # Vision models (those with `encode_image`): image embeddings by image hash.
         vision = getattr(model, "encode_image", None) is not None
         self.encoder_cache = EncoderCache(encoder_cache_size) if vision else None
-        if enforce_eager is None:  # static buffers pay for themselves only with a graph to replay
-            enforce_eager = device.type != "cuda"
+        if enforce_eager is None:
+            enforce_eager = default_eager(device)
         if not enforce_eager and scratch_block is not None:
             width = max(1, -(-max_model_len // cache.block_size))
             self.graphs = DecodeGraphs(self, scratch_block, max_num_seqs, width)
@@ -240,6 +246,11 @@ class ModelRunner:
         return sample(logits, rows)
 
 
+def one_line(exc: BaseException) -> str:
+    """The first line of an error's message."""
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
 def not_capturable(exc: RuntimeError) -> bool:
     """Whether an error raised while capturing a CUDA graph means an op cannot be captured: CUDA's
     stream-capture errors ("operation not permitted when stream is capturing", "... during
@@ -256,6 +267,38 @@ def decode_gathers(model: torch.nn.Module, backend: str) -> bool:
                for m in model.modules() if isinstance(getattr(m, "attn", None), PagedAttention))
 
 
+def default_eager(device: torch.device) -> bool:
+    """`enforce_eager=None` on `device`: False on CUDA (CUDA graphs); on the CPU, see
+    `DEFAULT_EAGER_ON_CPU`."""
+    return DEFAULT_EAGER_ON_CPU if device.type == "cpu" else False
+
+
+# Whether a CPU engine decodes eagerly unless `enforce_eager=False` asks for the compiled step.
+DEFAULT_EAGER_ON_CPU = True
+
+
+def compile_blocker(model: torch.nn.Module, backend: str) -> str | None:
+    """Why the CPU decode step of `model` on `backend` is not compiled, or None when it is: the
+    compiled step reads the cache through the fused kernel at the static buffers' full table
+    width (only the kernel reads no further than each context), so a backend or a layer that
+    gathers (additive, soft-capped or sink scores) keeps the eager step."""
+    if backend != "fused":
+        return f"attention backend {backend!r} gathers the cache; the compiled step needs the fused kernel"
+    if decode_gathers(model, backend):
+        return "a layer's attention has no fused kernel (additive, soft-capped or sink scores)"
+    return None
+
+
+def own_code(fn: Callable) -> Callable:
+    """`fn` (a bound method) over its own copy of the code object: torch.compile keeps its
+    compiled graphs, and counts recompiles against its limit, per code object, so each engine's
+    step gets its own instead of sharing one with every engine in the process."""
+    func = fn.__func__
+    fresh = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                               func.__closure__)
+    return types.MethodType(fresh, fn.__self__)
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """Padded decode batch sizes: 1, 2, 4, then multiples of 8 (vLLM's), up to max_num_seqs."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
@@ -264,10 +307,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     """Decode-only steps on static buffers padded to a batch-size bucket; on CUDA one CUDA graph
-    per bucket, captured the first time the bucket runs (after an eager warm-up) and replayed.
+    per bucket, captured the first time the bucket runs (after an eager warm-up) and replayed; on
+    the CPU the compiled forward (`compile_blocker` says when it cannot be), else the eager one.
 
     Padding rows decode token 0 at position 0 into the scratch block (slot mapping and block
-    table point there, context length 1), so they never touch a sequence's blocks."""
+    table point there, context length 1), so they never touch a sequence's blocks.
+
+    The compiled forward always reads block tables `width` columns wide (the fused kernel reads
+    no further than each context length), so that a graph depends on nothing but the bucket:
+    batch 1 compiles once, and the second bucket compiles once more with the batch dimension
+    dynamic (torch.compile's automatic dynamic shapes), which serves every larger bucket."""
 
     def __init__(self, runner: ModelRunner, scratch_block: int, max_num_seqs: int, width: int) -> None:
         self.runner = runner
@@ -281,11 +330,18 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, width, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
         self.capture = dev.type == "cuda"
-        if not self.capture:
-            logger.info("decode runs on static padded buffers; CUDA graph capture skipped on %s", dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttnMetadata]] = {}
         self._pool = None
-        self.eager_reason: str | None = None  # why capture was turned off, when it was
+        self.eager_reason: str | None = None  # why capture (CUDA) or compilation (CPU) is off, when it is
+        self.compiled: Callable[..., torch.Tensor] | None = None  # the CPU's compiled forward
+        self.num_compiles = 0  # graphs Inductor compiled for this step
+        if not self.capture:
+            self.eager_reason = compile_blocker(runner.model, runner.backend)
+            if self.eager_reason is None:
+                self.compiled = torch.compile(own_code(self._forward), backend=self._inductor, fullgraph=True)
+                logger.info("decode runs compiled on static padded buffers on %s", dev)
+            else:
+                logger.info("decode runs eagerly on static padded buffers on %s: %s", dev, self.eager_reason)
         self.num_steps = 0  # decode steps run here, and of their rows the padding ones
         self.num_padding_rows = 0
         self.num_replays = 0
@@ -305,18 +361,15 @@ class DecodeGraphs:
         self._fill(tokens, positions, meta, bucket)
         self.num_steps += 1
         self.num_padding_rows += bucket - b
-        if not self.capture:  # the CPU: eager on the padded buffers, block tables as wide as this step's
-            hidden = self.runner.model(self.tokens[:bucket], self.positions[:bucket],
-                                       self._meta(bucket, meta.decode_block_tables.shape[1], meta.decode_max_context),
-                                       self.runner.cache)
-            return hidden[:b]
+        if not self.capture:
+            return self._run_cpu(bucket, meta)[:b]
         if bucket not in self._graphs:
             try:
                 self._capture_bucket(bucket)
             except RuntimeError as exc:
                 if not not_capturable(exc):  # out of memory, a real bug: not hidden behind eager decoding
                     raise
-                self.eager_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.eager_reason = f"{type(exc).__name__}: {one_line(exc)}"
                 logger.warning("CUDA graph capture of batch size %d failed, an op cannot be captured (%s); "
                                "decoding eagerly on static buffers from now on", bucket, self.eager_reason)
                 self.capture = False
@@ -328,6 +381,50 @@ class DecodeGraphs:
         self.num_replays += 1
         return out[:b]
 
+    def _run_cpu(self, bucket: int, meta: AttnMetadata) -> torch.Tensor:
+        """The filled buffers' forward on the CPU: compiled, or eager with block tables as wide as
+        this step's when compilation is off or has failed (logged once, the step goes on)."""
+        if self.compiled is not None:
+            try:
+                return self.compiled(self.tokens[:bucket], self.positions[:bucket], self.slots[:bucket],
+                                     self.block_tables[:bucket], self.context_lens[:bucket])
+            except torch._dynamo.exc.TorchDynamoException as exc:  # a graph break, a backend that failed
+                self.compiled = None
+                cause = getattr(exc, "inner_exception", None) or exc  # a backend's own error, not dynamo's wrapper
+                self.eager_reason = f"compilation failed: {type(cause).__name__}: {one_line(cause)}"
+                logger.warning("compiling the decode step failed, decoding eagerly from now on (%s)",
+                               self.eager_reason)
+        return self.runner.model(self.tokens[:bucket], self.positions[:bucket],
+                                 self._meta(bucket, meta.decode_block_tables.shape[1], meta.decode_max_context),
+                                 self.runner.cache)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+        """The model's decode forward over buffer rows, the function the CPU compiles."""
+        meta = AttnMetadata(slot_mapping=slots, num_decode=tokens.shape[0], decode_block_tables=block_tables,
+                            decode_context_lens=context_lens,
+                            decode_max_context=block_tables.shape[1] * self.runner.block_size)
+        self.runner.set_kernels(meta)
+        return self.runner.model(tokens, positions, meta, self.runner.cache)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:
+        """torch.compile's backend: Inductor, counting the graphs it compiles (a test bounds them)."""
+        from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 (imported once something compiles)
+
+        self.num_compiles += 1
+        return compile_fx(gm, example_inputs)
+
+    def warm_up(self) -> None:
+        """Compile the CPU step now, at start-up, rather than in the first requests' steps: batch
+        1, then the second bucket (the graph with a dynamic batch dimension that serves every
+        bucket above 1), on padding rows only."""
+        if self.compiled is None:
+            return
+        with torch.inference_mode():  # as the steps run: a graph compiled with autograd on would not serve them
+            for bucket in self.buckets[:2]:
+                self._fill_padding(0, bucket)
+                self._run_cpu(bucket, self._meta(bucket, self.width, self.width * self.runner.block_size))
+
     def _fill(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, bucket: int) -> None:
         """Copy the step's B rows into the buffers; rows B .. bucket - 1 become padding."""
         b, w = meta.num_decode, meta.decode_block_tables.shape[1]
@@ -337,6 +434,10 @@ class DecodeGraphs:
         self.block_tables[:b, :w].copy_(meta.decode_block_tables)
         self.block_tables[:b, w:].fill_(self.scratch_block)
         self.context_lens[:b].copy_(meta.decode_context_lens)
+        self._fill_padding(b, bucket)
+
+    def _fill_padding(self, b: int, bucket: int) -> None:
+        """Rows b .. bucket - 1 decode into the scratch block."""
         if bucket > b:
             self.tokens[b:bucket].zero_()
             self.positions[b:bucket].zero_()

@@ -18,6 +18,7 @@ import platform
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,12 +30,15 @@ class CppKernel:
     """One kernel: `source` compiled into the library `name`, registering `torch.ops.<namespace>.<op>`.
 
     `available()` builds or loads it once per process; when that fails it logs `fallback` once
-    (as a warning of the `log` logger) and answers False from then on."""
+    (as a warning of the `log` logger) and answers False from then on. `on_load` runs once after a
+    successful load: the kernel module registers its ops' fake implementations there (shapes and
+    dtypes for torch.compile's tracing), which needs the ops to exist."""
 
     def __init__(self, name: str, source: Path, namespace: str, op: str, directory_prefix: str,
-                 fallback: str, log: logging.Logger) -> None:
+                 fallback: str, log: logging.Logger, on_load: Callable[[], None] | None = None) -> None:
         self.name, self.source, self.namespace, self.op = name, source, namespace, op
         self.directory_prefix, self.fallback, self.log = directory_prefix, fallback, log
+        self.on_load = on_load
         self._lock = threading.Lock()
         self.state: dict[str, bool] = {}  # "loaded" -> whether the kernel is usable
 
@@ -53,9 +57,15 @@ class CppKernel:
         return root / f"{self.directory_prefix}-torch{torch.__version__.replace('+', '_')}-{tag}"
 
     def available(self) -> bool:
+        # Answered without the lock once known: a compiled step traces this call, and a lock cannot be traced.
+        if "loaded" in self.state:
+            return self.state["loaded"]
         with self._lock:
             if "loaded" not in self.state:
-                self.state["loaded"] = self._load()
+                loaded = self._load()
+                if loaded and self.on_load is not None:
+                    self.on_load()
+                self.state["loaded"] = loaded
             return self.state["loaded"]
 
     def _registered(self) -> bool:
@@ -99,3 +109,14 @@ def put_ninja_on_path() -> None:
     if shutil.which("ninja") is None:
         bindir = str(Path(sys.executable).parent)
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+_FAKES: set[str] = set()
+
+
+def register_fake_once(qualname: str, fake: Callable[..., torch.Tensor]) -> None:
+    """`torch.library.register_fake` for an op of a loaded kernel, once per process (a test that
+    resets a kernel's state loads it again; the op and its fake stay registered)."""
+    if qualname not in _FAKES:
+        torch.library.register_fake(qualname, fake)
+        _FAKES.add(qualname)

@@ -23,13 +23,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model.layers.cpp_kernel import CppKernel
+from model.layers.cpp_kernel import CppKernel, register_fake_once
 
 logger = logging.getLogger(__name__)
 
+
+
+def _register_fakes() -> None:
+    """The op's output for torch.compile's tracing: q's shape, float32."""
+    register_fake_once("qkv_paged::paged_attention", lambda q, k_cache, v_cache, block_tables, query_seq, num_keys,
+                       scale, window: q.new_empty(q.shape, dtype=torch.float32))
+
+
 _KERNEL = CppKernel("qkv_paged_attention", Path(__file__).with_name("csrc") / "paged_attention.cpp",
                     namespace="qkv_paged", op="paged_attention", directory_prefix="paged_attention",
-                    fallback="fused paged attention unavailable, using the gather path", log=logger)
+                    fallback="fused paged attention unavailable, using the gather path", log=logger,
+                    on_load=_register_fakes)
 _state = _KERNEL.state  # "loaded" -> whether the kernel is usable (tests reset it)
 build_directory = _KERNEL.build_directory
 

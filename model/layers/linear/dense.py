@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.layers.cpp_kernel import CppKernel
+from model.layers.cpp_kernel import CppKernel, register_fake_once
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,17 @@ logger = logging.getLogger(__name__)
 SMALL_ROWS_MIN, SMALL_ROWS_MAX = 2, 32
 KERNEL_MAX_ROWS = 64  # rows the dense kernel takes (bench_linear_rows.py: faster than F.linear up to 64, a tie at 128)
 
+
+
+def _register_fakes() -> None:
+    """The op's output for torch.compile's tracing: (M, N) in x's dtype."""
+    register_fake_once("qkv_dense::dense_matmul", lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
+
+
 _KERNEL = CppKernel("qkv_dense_matmul", Path(__file__).with_name("csrc") / "dense_matmul.cpp",
                     namespace="qkv_dense", op="dense_matmul", directory_prefix="dense_matmul",
-                    fallback="dense small-batch kernel unavailable, using torch's products", log=logger)
+                    fallback="dense small-batch kernel unavailable, using torch's products", log=logger,
+                    on_load=_register_fakes)
 _use_kernel: dict[str, bool] = {}  # "on" -> the kernel built, is vectorised, and is not switched off
 
 

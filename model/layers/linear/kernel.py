@@ -14,13 +14,24 @@ from pathlib import Path
 
 import torch
 
-from model.layers.cpp_kernel import CppKernel
+from model.layers.cpp_kernel import CppKernel, register_fake_once
 
 logger = logging.getLogger(__name__)
 
+
+
+def _register_fakes() -> None:
+    """The ops' outputs for torch.compile's tracing: (M, N) float32, N the rows of the codes."""
+    register_fake_once("qkv_quant::quant_matmul", lambda x, qweight, scales, offsets, bits, group:
+                       x.new_empty(x.shape[0], qweight.shape[0], dtype=torch.float32))
+    register_fake_once("qkv_quant::quant_matmul_q8", lambda x, qweight, scales, offsets, bits, group, path=-1:
+                       x.new_empty(x.shape[0], qweight.shape[0], dtype=torch.float32))
+
+
 _KERNEL = CppKernel("qkv_quant_matmul", Path(__file__).with_name("csrc") / "quant_matmul.cpp",
                     namespace="qkv_quant", op="quant_matmul", directory_prefix="quant_matmul",
-                    fallback="quantized-matmul kernel unavailable, dequantizing blocks of rows instead", log=logger)
+                    fallback="quantized-matmul kernel unavailable, dequantizing blocks of rows instead", log=logger,
+                    on_load=_register_fakes)
 
 _INT8_PATH: dict[str, int] = {}
 

@@ -1,0 +1,110 @@
+"""The compiled CPU decode step (`enforce_eager=False`: torch.compile over static padded buffers,
+the project's kernels as custom ops) against the eager step (`enforce_eager=True`).
+
+For each shape and weight scheme, two engines on the same random checkpoint; llama-batched-bench's
+generation rows (128-token prompts, then decode steps) at 1 and 16 sequences, the two engines
+taking turns round after round so that the machine's drift falls on both. The ratio is compiled /
+eager decode tokens per second (median of the rounds). The compiled engine's start-up compile
+time is reported too (Inductor's cache directory is a fresh one per run unless --warm-cache).
+
+    .venv/bin/python loadtests/benchmarks/bench_compiled_step.py --out docs/results/bench_compiled_step.json
+    .venv/bin/python loadtests/benchmarks/bench_compiled_step.py --quick   # a tiny Llama shape: checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loadtests.lib.checkpoints import PRESET, checkpoint  # noqa: E402
+from loadtests.lib.llama_cpp import Workload, engine_batched_bench, engine_config  # noqa: E402
+from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from model import LLM  # noqa: E402
+
+SHAPES = (PRESET, "qwen2.5-0.5b-shape")
+# float32; int8 as the engine runs it by default on an AVX-512 VNNI CPU: int8 LM head, int8 activations.
+SCHEMES = {"float32": "float32", "int8": "int8+head8+a8"}
+
+
+def run_scheme(source: str, shape: str, scheme: str, args: argparse.Namespace, cache_dir: str) -> list[dict]:
+    work = (Workload("generation", 128, args.steps, tuple(args.batches)),)
+    config = engine_config(SCHEMES[scheme], work, args.group)
+    engines = {}
+    for kind, eager in (("eager", True), ("compiled", False)):
+        engines[kind] = LLM(source, device="cpu", dtype="float32", engine_config=config, enforce_eager=eager,
+                            compile_cache_dir=cache_dir)
+    graphs = engines["compiled"].engine.runner.graphs
+    if graphs is None or graphs.compiled is None:
+        raise SystemExit(f"the compiled engine decodes eagerly: {graphs and graphs.eager_reason}")
+    compile_s = engines["compiled"].engine.runtime.startup_seconds["compile"]
+    print(f"  {shape} {scheme}: compiled at start-up in {compile_s:.1f} s", flush=True)
+    for llm in engines.values():
+        engine_batched_bench(llm, 16, 2, 1, seed=99)  # warm-up: the kernels' first calls
+    rates: dict[tuple[str, int], list[float]] = {(k, b): [] for k in engines for b in args.batches}
+    for _ in range(args.rounds):
+        for b in args.batches:
+            for kind, llm in engines.items():
+                rates[kind, b].append(engine_batched_bench(llm, 128, args.steps, b, seed=b)["speed_tg"])
+    compiles = graphs.num_compiles
+    del engines, graphs
+    gc.collect()
+    rows = []
+    for b in args.batches:
+        compiled, eager = (statistics.median(rates[k, b]) for k in ("compiled", "eager"))
+        rows.append({"shape": shape, "scheme": scheme, "batch": b, "compiled_tok_s": compiled, "eager_tok_s": eager,
+                     "ratio": compiled / eager, "compile_s": compile_s, "num_compiles": compiles,
+                     "rounds": {k: rates[k, b] for k in ("compiled", "eager")}})
+        print(f"  {shape} {scheme} b{b}: compiled {compiled:.1f}, eager {eager:.1f} tok/s ({compiled / eager:.3f}x)",
+              flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--group", type=int, default=128, help="the int4 group size")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="use the engine's default compile cache (a warm start) instead of a fresh one")
+    ap.add_argument("--quick", action="store_true", help="the tiny Llama shape, float32, one round")
+    add_result_args(ap, "results/bench_compiled_step.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.shapes, args.schemes, args.rounds, args.steps = ["tiny-llama-shape"], ["float32"], 1, 8
+    torch.set_num_threads(args.threads)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            ckpt = Path(tmp) / shape
+            checkpoint(shape, str(ckpt))
+            for scheme in args.schemes:
+                cache_dir = None if args.warm_cache else str(Path(tmp) / f"inductor-{shape}-{scheme}")
+                rows += run_scheme(str(ckpt), shape, scheme, args, cache_dir)
+            for f in ckpt.glob("*.safetensors"):
+                f.unlink()
+    columns = ["shape", "scheme", "sequences", "compiled tok/s", "eager tok/s", "compiled / eager", "compile s"]
+    table = [[r["shape"], r["scheme"], r["batch"], f"{r['compiled_tok_s']:.1f}", f"{r['eager_tok_s']:.1f}",
+              f"{r['ratio']:.3f}", f"{r['compile_s']:.1f}"] for r in rows]
+    print_table(columns, table)
+    if args.out:
+        write_result(args.out, "bench_compiled_step", columns, table,
+                     raw={"threads": args.threads, "steps": args.steps, "rounds": args.rounds,
+                          "warm_cache": args.warm_cache, "rows": rows},
+                     note=args.note, title="The compiled decode step against the eager step "
+                                           "(decode tokens/s, 128-token prompts)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The compiled CPU decode step (model/engine/runner.py `DecodeGraphs`, `enforce_eager=False`):
+the project's kernels are custom ops whose fake implementations agree with them, the compiled
+step gives the eager step's tokens, compiles two graphs however many buckets run (batch 1, then
+one with a dynamic batch dimension), and decodes eagerly, saying why, where it cannot compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import LLM, SamplingParams
+from model.config import EngineConfig
+from model.engine.runner import DecodeGraphs
+from model.layers import paged_attention
+from model.layers.linear import dense, kernel
+from tests.support.tiny_models import write_tiny_llama
+
+BS = 4
+PROMPTS = [[5 + i] * (2 + 3 * i) for i in range(6)]
+# Six sequences that finish one after another: decode batches of 6, 5, ... 1 (buckets 8, 8, 4, 4, 2, 1).
+PARAMS = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))  # GQA: 4 query heads, 2 KV heads
+
+
+def _generate(model: str, eager: bool, **engine_args) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model, enforce_eager=eager, engine_config=EngineConfig(num_kv_blocks=64, block_size=BS, max_num_seqs=8,
+                                                                     **engine_args))
+    return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)], llm
+
+
+def _checks() -> tuple[str, ...]:
+    return ("test_schema", "test_faketensor")  # the ops are inference-only: no autograd checks
+
+
+def test_the_kernels_fake_implementations_agree_with_them() -> None:
+    """torch.library.opcheck runs each op on real and on fake tensors and compares what comes out
+    (shapes, dtypes, strides) and checks the op against its schema."""
+    if not (dense.kernel_available() and kernel.kernel_available() and paged_attention.kernel_available()):
+        pytest.skip("the C++ kernels did not build here")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g)
+    torch.library.opcheck(torch.ops.qkv_dense.dense_matmul.default, (x, w, torch.randn(40, generator=g)),
+                          test_utils=_checks())
+    codes = torch.randint(-127, 128, (40, 64), dtype=torch.int8, generator=g)
+    scales = torch.rand(40, 2, generator=g)
+    torch.library.opcheck(torch.ops.qkv_quant.quant_matmul.default, (x, codes, scales, scales.new_empty(0), 8, 32),
+                          test_utils=_checks())
+    torch.library.opcheck(torch.ops.qkv_quant.quant_matmul_q8.default,
+                          (x, codes, scales, scales.new_empty(0), 8, 32, -1), test_utils=_checks())
+    k_cache, v_cache = torch.randn(6, BS, 2, 16, generator=g), torch.randn(6, BS, 2, 16, generator=g)
+    q = torch.randn(3, 4, 16, generator=g)
+    tables, seqs, keys = torch.tensor([[1, 4, 2], [5, 0, 3]]), torch.tensor([0, 1, 1]), torch.tensor([9, 3, 11])
+    torch.library.opcheck(torch.ops.qkv_paged.paged_attention.default,
+                          (q, k_cache, v_cache, tables, seqs, keys, 0.25, 0), test_utils=_checks())
+
+
+@pytest.mark.parametrize("quant", [
+    {},
+    {"quantization": "int8", "quantization_activations": "float32"},
+    {"quantization": "int4", "quantization_group_size": 32, "quantization_activations": "float32"},
+])
+def test_the_compiled_step_gives_the_eager_tokens_with_two_compiles(llama_dir, quant) -> None:
+    if not paged_attention.kernel_available():
+        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    eager, _ = _generate(llama_dir, True, **quant)
+    compiled, llm = _generate(llama_dir, False, **quant)
+    graphs = llm.engine.runner.graphs
+    assert graphs.compiled is not None and graphs.eager_reason is None
+    assert graphs.num_steps >= 10 and graphs.num_padding_rows > 0  # buckets 8, 4, 2 and 1 all ran
+    assert graphs.num_compiles == 2  # batch 1, then one dynamic batch dimension for every other bucket
+    assert "compile" in llm.engine.runtime.startup_seconds  # both compiled at start-up, before any request
+    assert compiled == eager
+    assert len({tuple(o) for o in eager}) == 6
+
+
+def test_the_compiled_step_with_int8_activations_stays_close_to_eager(llama_dir) -> None:
+    """int8 activations round each block of 32 activations to codes: a last-bit difference in a
+    norm that Inductor computes in another order can move one code, so the compiled step is held
+    to the eager logits within that rounding, not to identical tokens."""
+    if not (paged_attention.kernel_available() and kernel.int8_path() > 0):
+        pytest.skip("no int8-activation kernel path here")
+    logits = {}
+    for eager in (True, False):
+        llm = LLM(llama_dir, enforce_eager=eager, quantization="int8", quantization_activations="int8",
+                  engine_config=EngineConfig(num_kv_blocks=64, block_size=BS, max_num_seqs=8))
+        out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5))
+        logits[eager] = [dict(step.top) for step in out[0].logprobs]
+        if not eager:
+            assert llm.engine.runner.graphs.compiled is not None
+    for want, got in zip(logits[True], logits[False]):
+        shared = want.keys() & got.keys()
+        assert len(shared) >= 4
+        assert max(abs(want[t] - got[t]) for t in shared) < 0.05
+
+
+@pytest.mark.parametrize("model,backend,reason", [
+    ("transformer-base", "gather", "gathers the cache"),
+    ("transformer-base-additive", "fused", "has no fused kernel"),
+])
+def test_a_step_that_cannot_compile_decodes_eagerly_and_says_why(model, backend, reason) -> None:
+    llm = LLM(model, enforce_eager=False, engine_config=EngineConfig(num_kv_blocks=32, block_size=BS, max_num_seqs=4,
+                                                                     attention_backend=backend))
+    graphs = llm.engine.runner.graphs
+    assert graphs.compiled is None and reason in graphs.eager_reason and graphs.num_compiles == 0
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 5 and graphs.num_steps >= 4
+
+
+def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama_dir, monkeypatch, caplog) -> None:
+    """A backend that fails (here: Inductor raising) turns compilation off at start-up, logged and
+    kept as `eager_reason`; the engine then decodes eagerly and gives the eager tokens."""
+    if not paged_attention.kernel_available():
+        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("C++ compile error: no such compiler")
+
+    monkeypatch.setattr(DecodeGraphs, "_inductor", broken)
+    eager, _ = _generate(llama_dir, True)
+    with caplog.at_level("WARNING", logger="model.engine.runner"):
+        fallback, llm = _generate(llama_dir, False)
+    graphs = llm.engine.runner.graphs
+    assert graphs.compiled is None and "no such compiler" in graphs.eager_reason
+    assert "compiling the decode step failed" in caplog.text
+    assert fallback == eager
