@@ -1,11 +1,12 @@
 """The compiled CPU decode step (`enforce_eager=False`: torch.compile over static padded buffers,
 the project's kernels as custom ops) against the eager step (`enforce_eager=True`).
 
-For each shape and weight scheme, two engines on the same random checkpoint; llama-batched-bench's
-generation rows (128-token prompts, then decode steps) at 1 and 16 sequences, the two engines
-taking turns round after round so that the machine's drift falls on both. The ratio is compiled /
-eager decode tokens per second (median of the rounds). The compiled engine's start-up compile
-time is reported too (Inductor's cache directory is a fresh one per run unless --warm-cache).
+For each shape and weight scheme, engines on the same random checkpoint (the eager one and one
+compiled engine per Inductor variant asked for); llama-batched-bench's generation rows (128-token
+prompts, then decode steps) at 1 and 16 sequences, the engines taking turns round after round so
+that the machine's drift falls on all. The ratio is compiled / eager decode tokens per second
+(median of the rounds). Each compiled engine's start-up compile time is reported too (Inductor's
+cache directory is a fresh one per run unless --warm-cache).
 
     .venv/bin/python loadtests/benchmarks/bench_compiled_step.py --out docs/results/bench_compiled_step.json
     .venv/bin/python loadtests/benchmarks/bench_compiled_step.py --quick   # a tiny Llama shape: checks it runs
@@ -32,20 +33,24 @@ from model import LLM  # noqa: E402
 SHAPES = (PRESET, "qwen2.5-0.5b-shape")
 # float32; int8 as the engine runs it by default on an AVX-512 VNNI CPU: int8 LM head, int8 activations.
 SCHEMES = {"float32": "float32", "int8": "int8+head8+a8"}
+# Inductor options tried for the compiled step (the engine compiles with the defaults).
+VARIANTS = {"default": {}, "cpp_wrapper": {"cpp_wrapper": True}, "freezing": {"freezing": True}}
 
 
 def run_scheme(source: str, shape: str, scheme: str, args: argparse.Namespace, cache_dir: str) -> list[dict]:
     work = (Workload("generation", 128, args.steps, tuple(args.batches)),)
     config = engine_config(SCHEMES[scheme], work, args.group)
-    engines = {}
-    for kind, eager in (("eager", True), ("compiled", False)):
-        engines[kind] = LLM(source, device="cpu", dtype="float32", engine_config=config, enforce_eager=eager,
-                            compile_cache_dir=cache_dir)
-    graphs = engines["compiled"].engine.runner.graphs
-    if graphs is None or graphs.compiled is None:
-        raise SystemExit(f"the compiled engine decodes eagerly: {graphs and graphs.eager_reason}")
-    compile_s = engines["compiled"].engine.runtime.startup_seconds["compile"]
-    print(f"  {shape} {scheme}: compiled at start-up in {compile_s:.1f} s", flush=True)
+    engines = {"eager": LLM(source, device="cpu", dtype="float32", engine_config=config, enforce_eager=True)}
+    compile_s, compiles = {}, {}
+    for variant in args.variants:
+        with torch._inductor.config.patch(VARIANTS[variant]):  # read while the engine compiles, at start-up
+            llm = LLM(source, device="cpu", dtype="float32", engine_config=config, enforce_eager=False,
+                      compile_cache_dir=f"{cache_dir}-{variant}" if cache_dir else None)
+        graphs = llm.engine.runner.graphs
+        if graphs is None or graphs.compiled is None:
+            raise SystemExit(f"the compiled engine decodes eagerly: {graphs and graphs.eager_reason}")
+        engines[variant], compile_s[variant] = llm, llm.engine.runtime.startup_seconds["compile"]
+        print(f"  {shape} {scheme} {variant}: compiled at start-up in {compile_s[variant]:.1f} s", flush=True)
     for llm in engines.values():
         engine_batched_bench(llm, 16, 2, 1, seed=99)  # warm-up: the kernels' first calls
     rates: dict[tuple[str, int], list[float]] = {(k, b): [] for k in engines for b in args.batches}
@@ -53,17 +58,21 @@ def run_scheme(source: str, shape: str, scheme: str, args: argparse.Namespace, c
         for b in args.batches:
             for kind, llm in engines.items():
                 rates[kind, b].append(engine_batched_bench(llm, 128, args.steps, b, seed=b)["speed_tg"])
-    compiles = graphs.num_compiles
-    del engines, graphs
+    for variant in args.variants:  # recompiles after start-up would show here (none expected)
+        compiles[variant] = engines[variant].engine.runner.graphs.num_compiles
+    del engines
     gc.collect()
     rows = []
     for b in args.batches:
-        compiled, eager = (statistics.median(rates[k, b]) for k in ("compiled", "eager"))
-        rows.append({"shape": shape, "scheme": scheme, "batch": b, "compiled_tok_s": compiled, "eager_tok_s": eager,
-                     "ratio": compiled / eager, "compile_s": compile_s, "num_compiles": compiles,
-                     "rounds": {k: rates[k, b] for k in ("compiled", "eager")}})
-        print(f"  {shape} {scheme} b{b}: compiled {compiled:.1f}, eager {eager:.1f} tok/s ({compiled / eager:.3f}x)",
-              flush=True)
+        eager = statistics.median(rates["eager", b])
+        for variant in args.variants:
+            compiled = statistics.median(rates[variant, b])
+            rows.append({"shape": shape, "scheme": scheme, "variant": variant, "batch": b, "compiled_tok_s": compiled,
+                         "eager_tok_s": eager, "ratio": compiled / eager, "compile_s": compile_s[variant],
+                         "num_compiles": compiles[variant],
+                         "rounds": {"compiled": rates[variant, b], "eager": rates["eager", b]}})
+            print(f"  {shape} {scheme} {variant} b{b}: compiled {compiled:.1f}, eager {eager:.1f} tok/s "
+                  f"({compiled / eager:.3f}x)", flush=True)
     return rows
 
 
@@ -76,6 +85,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--group", type=int, default=128, help="the int4 group size")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                    help="Inductor options of the compiled engines (one engine each, all in the same rounds)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="use the engine's default compile cache (a warm start) instead of a fresh one")
     ap.add_argument("--quick", action="store_true", help="the tiny Llama shape, float32, one round")
@@ -94,13 +105,14 @@ def main() -> None:
                 rows += run_scheme(str(ckpt), shape, scheme, args, cache_dir)
             for f in ckpt.glob("*.safetensors"):
                 f.unlink()
-    columns = ["shape", "scheme", "sequences", "compiled tok/s", "eager tok/s", "compiled / eager", "compile s"]
-    table = [[r["shape"], r["scheme"], r["batch"], f"{r['compiled_tok_s']:.1f}", f"{r['eager_tok_s']:.1f}",
+    columns = ["shape", "scheme", "Inductor", "sequences", "compiled tok/s", "eager tok/s", "compiled / eager",
+               "compile s"]
+    table = [[r["shape"], r["scheme"], r["variant"], r["batch"], f"{r['compiled_tok_s']:.1f}", f"{r['eager_tok_s']:.1f}",
               f"{r['ratio']:.3f}", f"{r['compile_s']:.1f}"] for r in rows]
     print_table(columns, table)
     if args.out:
         write_result(args.out, "bench_compiled_step", columns, table,
-                     raw={"threads": args.threads, "steps": args.steps, "rounds": args.rounds,
+                     raw={"threads": args.threads, "steps": args.steps, "rounds": args.rounds, "variants": args.variants,
                           "warm_cache": args.warm_cache, "rows": rows},
                      note=args.note, title="The compiled decode step against the eager step "
                                            "(decode tokens/s, 128-token prompts)")

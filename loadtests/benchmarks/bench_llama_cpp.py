@@ -58,7 +58,9 @@ SHAPE_RUNS: dict[str, tuple[str, tuple[Workload, ...]]] = {
 # float: loadtests/benchmarks/quant_accuracy.py measured +5% bits per byte for the head at group 128)
 PAIRS = (("float32", ("f32",)), ("int8", ("Q8_0",)), ("int4", ("Q4_0", "Q4_K_M")), ("int4+head", ("Q4_0",)),
          ("int8+a8", ("Q8_0",)), ("int4+a8", ("Q4_0",)), ("int4+head+a8", ("Q4_0",)),  # a8: int8 activations
-         ("int8+head8+a8", ("Q8_0",)), ("int4+head8+a8", ("Q4_0",)))  # head8: the int8 LM head (the CPU default)
+         ("int8+head8+a8", ("Q8_0",)), ("int4+head8+a8", ("Q4_0",)),  # head8: the int8 LM head (the CPU default)
+         # compiled: the compiled decode step (enforce_eager=False)
+         ("float32+compiled", ("f32",)), ("int8+head8+a8+compiled", ("Q8_0",)), ("int4+head8+a8+compiled", ("Q4_0",)))
 # issue 42's targets, as (our scheme, row) -> the least ratio against llama.cpp's pair
 TARGETS = {("float32", "decode b1"): 1.0, ("float32", "gen b16"): 1.5, ("float32", "gen b64"): 1.5,
            ("float32", "prefill 16x512"): 1.0, ("int8", "decode b1"): 1.0, ("int8", "gen b16"): 1.5,

@@ -189,12 +189,14 @@ def engine_batched_bench(llm: LLM, npp: int, ntg: int, npl: int, seed: int = 0) 
 def engine_config(scheme: str, workloads: tuple[Workload, ...], group: int) -> EngineConfig:
     """`scheme`: float32, int8 or int4, `+head` to quantize the LM head as the layers, `+head8` in
     int8 (else it stays float32), `+a8` for quantization_activations=int8 (llama.cpp's way:
-    activations rounded to int8 blocks)."""
+    activations rounded to int8 blocks), `+compiled` for the compiled decode step
+    (enforce_eager=False)."""
     most = max(max(w.npl) for w in workloads)
     tokens = max(max(w.npl) * (w.npp + w.ntg + 1) for w in workloads)
     method, *flags = scheme.split("+")
     return EngineConfig(max_num_seqs=most, num_kv_blocks=tokens // 16 + most + 8, enable_prefix_caching=False,
                         quantization="none" if method == "float32" else method, quantization_group_size=group,
                         quantize_lm_head="int8" if "head8" in flags else "head" in flags,
-                        quantization_activations="int8" if "a8" in flags else "float32")
+                        quantization_activations="int8" if "a8" in flags else "float32",
+                        enforce_eager="compiled" not in flags)
 

@@ -7,7 +7,9 @@ LM head) on the comparison's shapes, at 1 and 16 sequences, split into
 - attention: the paged-attention kernel;
 - other ops: every other torch op (norms, activations, rotary, sampling, copies);
 - outside ops: the step's wall time (measured without the profiler) less the ops' self time
-  (measured with it): Python, the scheduler and the op dispatch between kernels.
+  (measured with it): Python, the scheduler and the op dispatch between kernels;
+- ops per step: the profiler's events per step (torch ops; under the compiled step, scheme
+  `...+compiled`, Inductor's generated kernels and the compiled region count as ops too).
 
 The products' floor is their weight bytes at the machine's measured copy bandwidth (one read
 per step; a copy's rate counts bytes read plus written, so reading alone may go faster).
@@ -39,6 +41,8 @@ from model.layers.linear.quantized import QuantizedLinear  # noqa: E402
 
 SHAPES = {"gpt2-small": GPT2_PRESET, "qwen2.5-0.5b-shape": "qwen2.5-0.5b-shape"}
 SCHEMES = ("float32", "int8+head8+a8", "int4+head8+a8")
+# Also accepted: the same with the compiled decode step (enforce_eager=False).
+COMPILED = tuple(f"{s}+compiled" for s in SCHEMES)
 PRODUCT_OPS = ("qkv_dense::", "qkv_quant::", "aten::mm", "aten::addmm", "aten::bmm")
 ATTENTION_OPS = ("qkv_paged::",)
 
@@ -95,19 +99,21 @@ def split(llm: LLM, batch: int, context: int, steps: int) -> dict:
         engine.step()
     parts = {"products": 0.0, "attention": 0.0, "other ops": 0.0}
     top: list[tuple[float, str]] = []
+    calls = 0
     for e in prof.key_averages():
         ms = e.self_cpu_time_total / steps / 1e3
         parts[kind(e.key)] += ms
         top.append((ms, e.key))
+        calls += e.count
     top.sort(reverse=True)
-    return {"step_ms": wall, **parts, "outside ops": wall - sum(parts.values()),
+    return {"step_ms": wall, **parts, "outside ops": wall - sum(parts.values()), "ops_per_step": calls / steps,
             "top_ops": [{"op": k, "self_ms": ms} for ms, k in top[:8]]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES + COMPILED))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--context", type=int, default=192, help="tokens each sequence holds while profiled")
     ap.add_argument("--steps", type=int, default=16)
@@ -132,14 +138,14 @@ def main() -> None:
                                  f"{r['products']:.1f} ({share['products']:.0%})",
                                  f"{r['attention']:.1f} ({share['attention']:.0%})",
                                  f"{r['other ops']:.1f} ({share['other ops']:.0%})",
-                                 f"{r['outside ops']:.1f} ({share['outside ops']:.0%})",
+                                 f"{r['outside ops']:.1f} ({share['outside ops']:.0%})", round(r["ops_per_step"]),
                                  weights / 1e6, floor, weights / r["products"] / 1e6 if r["products"] else None])
                     raw.append({"shape": shape, "scheme": scheme, "batch": batch, "weight_bytes": weights, **r})
                     print(rows[-1], flush=True)
                 del llm
                 gc.collect()
     columns = ["shape", "scheme", "sequences", "step ms", "tok/s", "products ms", "attention ms", "other ops ms",
-               "outside ops ms", "weights MB", "products floor ms", "products read GB/s"]
+               "outside ops ms", "ops per step", "weights MB", "products floor ms", "products read GB/s"]
     print_table(columns, rows)
     if args.out:
         write_result(args.out, "profile_decode_split", columns, rows, raw={"copy_bandwidth_gb_s": bandwidth,

@@ -32,6 +32,7 @@ from model.layers.attention import PagedAttention
 from model.layers.flex_attention import FlexPagedAttention, flex_supported
 from model.layers.kv_cache import AttnMetadata, KVCache, PrefillChunk
 from model.layers.lora import LoraBatch, LoraState
+from model.layers.moe import Experts
 from model.layers.paged_attention import paged_decode_attention, paged_prefill_attention, use_fused
 from model.models.transformer import Transformer
 from model.multimodal.encoder_cache import EncoderCache
@@ -286,6 +287,8 @@ def compile_blocker(model: torch.nn.Module, backend: str) -> str | None:
         return f"attention backend {backend!r} gathers the cache; the compiled step needs the fused kernel"
     if decode_gathers(model, backend):
         return "a layer's attention has no fused kernel (additive, soft-capped or sink scores)"
+    if any(isinstance(m, Experts) for m in model.modules()):
+        return "mixture-of-experts layers group rows by expert with data-dependent sizes, which a graph cannot hold"
     return None
 
 
@@ -315,8 +318,8 @@ class DecodeGraphs:
 
     The compiled forward always reads block tables `width` columns wide (the fused kernel reads
     no further than each context length), so that a graph depends on nothing but the bucket:
-    batch 1 compiles once, and the second bucket compiles once more with the batch dimension
-    dynamic (torch.compile's automatic dynamic shapes), which serves every larger bucket."""
+    batch 1 compiles once, and the second bucket once more with the batch dimension marked
+    dynamic, a graph that serves every larger bucket."""
 
     def __init__(self, runner: ModelRunner, scratch_block: int, max_num_seqs: int, width: int) -> None:
         self.runner = runner
@@ -385,10 +388,17 @@ class DecodeGraphs:
         """The filled buffers' forward on the CPU: compiled, or eager with block tables as wide as
         this step's when compilation is off or has failed (logged once, the step goes on)."""
         if self.compiled is not None:
+            inputs = (self.tokens[:bucket], self.positions[:bucket], self.slots[:bucket], self.block_tables[:bucket],
+                      self.context_lens[:bucket])
+            for t in inputs:  # say which graph: dynamo's own guess depends on what compiled before in the process
+                if bucket > 1 and self.buckets[-1] > 2:
+                    torch._dynamo.mark_dynamic(t, 0, min=2, max=self.buckets[-1])
+                else:
+                    torch._dynamo.mark_static(t, 0)
             try:
-                return self.compiled(self.tokens[:bucket], self.positions[:bucket], self.slots[:bucket],
-                                     self.block_tables[:bucket], self.context_lens[:bucket])
-            except torch._dynamo.exc.TorchDynamoException as exc:  # a graph break, a backend that failed
+                return self.compiled(*inputs)
+            except Exception as exc:  # noqa: BLE001 (the eager step below runs the same rows: an error of the
+                # step itself is raised again there; one of compiling or of the compiled graph turns compiling off)
                 self.compiled = None
                 cause = getattr(exc, "inner_exception", None) or exc  # a backend's own error, not dynamo's wrapper
                 self.eager_reason = f"compilation failed: {type(cause).__name__}: {one_line(cause)}"
@@ -411,8 +421,9 @@ class DecodeGraphs:
         """torch.compile's backend: Inductor, counting the graphs it compiles (a test bounds them)."""
         from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 (imported once something compiles)
 
+        compiled = compile_fx(gm, example_inputs)  # may raise to restart the trace (then it is called again)
         self.num_compiles += 1
-        return compile_fx(gm, example_inputs)
+        return compiled
 
     def warm_up(self) -> None:
         """Compile the CPU step now, at start-up, rather than in the first requests' steps: batch

@@ -13,7 +13,7 @@ from model.config import EngineConfig
 from model.engine.runner import DecodeGraphs
 from model.layers import paged_attention
 from model.layers.linear import dense, kernel
-from tests.support.tiny_models import write_tiny_llama
+from tests.support.tiny_models import build_tiny_gpt2, build_tiny_llama, hf_greedy, save_tiny_gpt2, write_tiny_llama
 
 BS = 4
 PROMPTS = [[5 + i] * (2 + 3 * i) for i in range(6)]
@@ -77,6 +77,29 @@ def test_the_compiled_step_gives_the_eager_tokens_with_two_compiles(llama_dir, q
     assert len({tuple(o) for o in eager}) == 6
 
 
+@pytest.mark.parametrize("arch,overrides", [
+    ("gpt2", {}),
+    ("mistral", {"sliding_window": 8}),  # the window passed into the fused kernel, traced as a constant
+    ("qwen3", {}),  # q/k norms
+])
+def test_the_compiled_step_gives_hf_greedy_tokens(arch, overrides, tmp_path) -> None:
+    """HF parity through the compiled step, on families whose decode differs in what surrounds the
+    kernels: learned positions and LayerNorm, a sliding window (outrun by the generation), q/k norms."""
+    if not paged_attention.kernel_available():
+        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    prompt = [5, 17, 42, 8, 99, 23, 61, 7, 3, 11]
+    if arch == "gpt2":
+        directory, hf = save_tiny_gpt2(tmp_path / arch), build_tiny_gpt2()
+    else:
+        directory, hf = write_tiny_llama(tmp_path / arch, arch=arch, **overrides), build_tiny_llama(arch, **overrides)
+    llm = LLM(str(directory), enforce_eager=False, dtype="float32",
+              engine_config=EngineConfig(num_kv_blocks=64, block_size=BS, max_num_seqs=4))
+    assert llm.engine.runner.graphs.compiled is not None
+    got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got == hf_greedy(hf, prompt, 16)
+    assert llm.engine.runner.graphs.num_compiles == 2 and llm.engine.runner.graphs.compiled is not None
+
+
 def test_the_compiled_step_with_int8_activations_stays_close_to_eager(llama_dir) -> None:
     """int8 activations round each block of 32 activations to codes: a last-bit difference in a
     norm that Inductor computes in another order can move one code, so the compiled step is held
@@ -100,8 +123,11 @@ def test_the_compiled_step_with_int8_activations_stays_close_to_eager(llama_dir)
 @pytest.mark.parametrize("model,backend,reason", [
     ("transformer-base", "gather", "gathers the cache"),
     ("transformer-base-additive", "fused", "has no fused kernel"),
+    ("mixtral", "fused", "mixture-of-experts"),
 ])
-def test_a_step_that_cannot_compile_decodes_eagerly_and_says_why(model, backend, reason) -> None:
+def test_a_step_that_cannot_compile_decodes_eagerly_and_says_why(model, backend, reason, tmp_path) -> None:
+    if model == "mixtral":
+        model = str(write_tiny_llama(tmp_path / "mixtral", arch="mixtral"))
     llm = LLM(model, enforce_eager=False, engine_config=EngineConfig(num_kv_blocks=32, block_size=BS, max_num_seqs=4,
                                                                      attention_backend=backend))
     graphs = llm.engine.runner.graphs
@@ -127,3 +153,23 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama_dir, monkeyp
     assert graphs.compiled is None and "no such compiler" in graphs.eager_reason
     assert "compiling the decode step failed" in caplog.text
     assert fallback == eager
+
+
+def test_a_compiled_graph_that_fails_mid_serving_leaves_the_step_to_eager(llama_dir, caplog) -> None:
+    """A compiled graph that raises while serving (here: replaced by one that does) is dropped: the
+    same rows run eagerly in that step, and every later step decodes eagerly."""
+    if not paged_attention.kernel_available():
+        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    eager, _ = _generate(llama_dir, True)
+    llm = LLM(llama_dir, enforce_eager=False, engine_config=EngineConfig(num_kv_blocks=64, block_size=BS, max_num_seqs=8))
+    graphs = llm.engine.runner.graphs
+
+    def failing(*inputs):
+        raise RuntimeError("the compiled graph hit an unsupported op")
+
+    graphs.compiled = failing
+    with caplog.at_level("WARNING", logger="model.engine.runner"):
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    assert got == eager
+    assert graphs.compiled is None and "unsupported op" in graphs.eager_reason
+    assert caplog.text.count("compiling the decode step failed") == 1
