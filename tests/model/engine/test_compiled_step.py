@@ -173,3 +173,40 @@ def test_a_compiled_graph_that_fails_mid_serving_leaves_the_step_to_eager(llama_
     assert got == eager
     assert graphs.compiled is None and "unsupported op" in graphs.eager_reason
     assert caplog.text.count("compiling the decode step failed") == 1
+
+
+def test_lora_rows_decode_eagerly_beside_compiled_base_rows(tmp_path) -> None:
+    """An engine serving a LoRA adapter compiles the base model's decode step; steps with adapter
+    rows run eagerly (their grouping by adapter changes from step to step). Base and adapter
+    requests, alone and mixed, get the eager engine's tokens, and nothing recompiles."""
+    if not paged_attention.kernel_available():
+        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    from peft import LoraConfig, get_peft_model
+
+    base = write_tiny_llama(tmp_path / "base")
+    torch.manual_seed(3)
+    peft = get_peft_model(build_tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    requests = [(PROMPTS[2], "a"), (PROMPTS[4], None), (PROMPTS[2], None), (PROMPTS[5], "a")]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(base), enforce_eager=eager, engine_config=EngineConfig(
+            num_kv_blocks=64, block_size=BS, max_num_seqs=8, lora_modules={"a": str(tmp_path / "adapter")}))
+        engine = llm.engine
+        runs = []
+        for batch in ([requests[1]], [requests[0]], requests):  # base alone, adapter alone, mixed
+            for i, (prompt, lora) in enumerate(batch):
+                engine.add_request(f"{eager}-{len(runs)}-{i}", prompt, PARAMS[3], lora=lora)
+            got: dict[str, list[int]] = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            runs.append([got[k] for k in sorted(got)])
+        outs[eager] = runs
+        if not eager:
+            graphs = engine.runner.graphs
+            assert graphs.compiled is not None and graphs.num_compiles == 2 and graphs.num_steps > 0
+    assert outs[False] == outs[True]
+    mixed = outs[True][2]
+    assert mixed[0] != mixed[2]  # one prompt with and without the adapter: the adapter's rows mattered
