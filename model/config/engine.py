@@ -86,8 +86,8 @@ class EngineConfig:
     enforce_eager: bool | None = described(
         None, "True: decode steps run eagerly (vLLM's name). False: decode runs on static buffers padded to a "
               "batch-size bucket; on CUDA each bucket is captured once in a CUDA graph and replayed; on the CPU "
-              "the step is compiled with torch.compile at start-up (two graphs: batch 1, and one for every "
-              "larger bucket) where attention reads the cache through the fused kernel, and runs eagerly "
+              "the step is compiled with torch.compile at start-up (batch 1, one graph for every larger bucket, a "
+              "third above 64 sequences) where attention reads the cache through the fused kernel, and runs eagerly "
               "otherwise. None: False on CUDA, True on the CPU (where compiling costs start-up time). Prefill "
               "always runs eagerly.")
     quantization: Quantization = described(

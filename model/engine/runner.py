@@ -319,7 +319,8 @@ class DecodeGraphs:
     The compiled forward always reads block tables `width` columns wide (the fused kernel reads
     no further than each context length), so that a graph depends on nothing but the bucket:
     batch 1 compiles once, and the second bucket once more with the batch dimension marked
-    dynamic, a graph that serves every larger bucket."""
+    dynamic, a graph that serves every larger bucket up to where a kernel changes paths (64 rows;
+    above, a third graph). All are compiled at start-up (`warm_up`)."""
 
     def __init__(self, runner: ModelRunner, scratch_block: int, max_num_seqs: int, width: int) -> None:
         self.runner = runner
@@ -391,8 +392,8 @@ class DecodeGraphs:
             inputs = (self.tokens[:bucket], self.positions[:bucket], self.slots[:bucket], self.block_tables[:bucket],
                       self.context_lens[:bucket])
             for t in inputs:  # say which graph: dynamo's own guess depends on what compiled before in the process
-                if bucket > 1 and self.buckets[-1] > 2:
-                    torch._dynamo.mark_dynamic(t, 0, min=2, max=self.buckets[-1])
+                if bucket > 1:  # dynamic, yet free to be split where the code branches on the row count
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
                 else:
                     torch._dynamo.mark_static(t, 0)
             try:
@@ -426,13 +427,14 @@ class DecodeGraphs:
         return compiled
 
     def warm_up(self) -> None:
-        """Compile the CPU step now, at start-up, rather than in the first requests' steps: batch
-        1, then the second bucket (the graph with a dynamic batch dimension that serves every
-        bucket above 1), on padding rows only."""
+        """Compile the CPU step now, at start-up, rather than in the first requests' steps, on
+        padding rows only: batch 1, the second bucket (a graph with a dynamic batch dimension) and
+        the largest (a third graph when the kernels switch paths between them: the dense and
+        quantized products take more than 64 rows another way)."""
         if self.compiled is None:
             return
         with torch.inference_mode():  # as the steps run: a graph compiled with autograd on would not serve them
-            for bucket in self.buckets[:2]:
+            for bucket in sorted({*self.buckets[:2], self.buckets[-1]}):
                 self._fill_padding(0, bucket)
                 self._run_cpu(bucket, self._meta(bucket, self.width, self.width * self.runner.block_size))
 

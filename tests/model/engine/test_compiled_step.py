@@ -210,3 +210,23 @@ def test_lora_rows_decode_eagerly_beside_compiled_base_rows(tmp_path) -> None:
     assert outs[False] == outs[True]
     mixed = outs[True][2]
     assert mixed[0] != mixed[2]  # one prompt with and without the adapter: the adapter's rows mattered
+
+
+def test_buckets_past_the_kernels_row_limit_get_a_third_graph_at_start_up(llama_dir) -> None:
+    """Above 64 rows the dense and quantized products take another path, so a step of more rows
+    needs its own graph: compiled at start-up with the other two (the largest bucket is warmed up),
+    never while serving; the tokens stay the eager step's."""
+    if not paged_attention.kernel_available():
+        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    prompts = [[1 + i % 250, 7, 3 + i % 5] for i in range(70)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(llama_dir, enforce_eager=eager, engine_config=EngineConfig(num_kv_blocks=400, block_size=BS,
+                                                                             max_num_seqs=72))
+        if not eager:
+            graphs = llm.engine.runner.graphs
+            assert graphs.num_compiles == 3 and graphs.compiled is not None
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert graphs.num_compiles == 3 and graphs.compiled is not None and graphs.num_steps >= 2
+    assert outs[False] == outs[True]
