@@ -42,3 +42,20 @@ def copy_bandwidth_gbs(device: Any, mib: int = 512, repeats: int = 10) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * 4 / best / 1e9
+
+
+def read_bandwidth_gbs(device: Any, mib: int = 512, repeats: int = 9) -> float:
+    """Read bandwidth: bytes read per second by a sum over a `mib` MiB float32 tensor (a read with
+    nothing written back, as a batch-1 decode step reads its weights), the median of `repeats`
+    passes in GB/s. The median, not the best: on a shared machine single passes move by a third,
+    and a bound that one lucky pass sets is not one a decode step can be held to."""
+    src = torch.empty(mib << 18, device=device, dtype=torch.float32).fill_(1.0)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        src.sum()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return src.numel() * 4 / times[len(times) // 2] / 1e9

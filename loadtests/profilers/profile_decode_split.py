@@ -11,8 +11,11 @@ LM head) on the comparison's shapes, at 1 and 16 sequences, split into
 - ops per step: the profiler's events per step (torch ops; under the compiled step, scheme
   `...+compiled`, Inductor's generated kernels and the compiled region count as ops too).
 
-The products' floor is their weight bytes at the machine's measured copy bandwidth (one read
-per step; a copy's rate counts bytes read plus written, so reading alone may go faster).
+The products' floor is their weight bytes at the machine's read bandwidth (one read per step),
+measured in the same run by a read-only probe (`read_bandwidth_gbs`: the median of several passes,
+taken before and after the profiles; the higher of the two is the bound, what the machine showed
+it can do in this run); "of read bound" is that floor over the whole step's time, the share of the
+bound the step reaches.
 
     .venv/bin/python loadtests/profilers/profile_decode_split.py --out docs/results/profile_decode_split.json
 """
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from loadtests.lib.checkpoints import PRESET as GPT2_PRESET, checkpoint  # noqa: E402
 from loadtests.lib.llama_cpp import Workload, engine_config  # noqa: E402
 from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
-from loadtests.lib.rooflines import copy_bandwidth_gbs  # noqa: E402
+from loadtests.lib.rooflines import read_bandwidth_gbs  # noqa: E402
 from model import LLM, SamplingParams  # noqa: E402
 from model.layers.linear.quantized import QuantizedLinear  # noqa: E402
 
@@ -120,7 +123,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     add_result_args(ap, default_out=None)
     args = ap.parse_args()
-    bandwidth = copy_bandwidth_gbs(torch.device("cpu"))
+    probes = [read_bandwidth_gbs(torch.device("cpu"))]
     workloads = (Workload("generation", args.context, 2 * args.steps + 4, tuple(args.batches)),)
     rows, raw = [], []
     for shape in args.shapes:
@@ -129,27 +132,34 @@ def main() -> None:
             for scheme in args.schemes:
                 llm = LLM(tmp, device="cpu", dtype="float32",
                           engine_config=engine_config(scheme, workloads, args.group))
-                weights = product_bytes(llm.engine.runner.model)
-                floor = weights / (bandwidth * 1e9) * 1e3
                 for batch in args.batches:
                     r = split(llm, batch, args.context, args.steps)
-                    share = {k: r[k] / r["step_ms"] for k in ("products", "attention", "other ops", "outside ops")}
-                    rows.append([shape, scheme, batch, r["step_ms"], batch * 1e3 / r["step_ms"],
-                                 f"{r['products']:.1f} ({share['products']:.0%})",
-                                 f"{r['attention']:.1f} ({share['attention']:.0%})",
-                                 f"{r['other ops']:.1f} ({share['other ops']:.0%})",
-                                 f"{r['outside ops']:.1f} ({share['outside ops']:.0%})", round(r["ops_per_step"]),
-                                 weights / 1e6, floor, weights / r["products"] / 1e6 if r["products"] else None])
-                    raw.append({"shape": shape, "scheme": scheme, "batch": batch, "weight_bytes": weights, **r})
-                    print(rows[-1], flush=True)
+                    raw.append({"shape": shape, "scheme": scheme, "batch": batch,
+                                "weight_bytes": product_bytes(llm.engine.runner.model), **r})
+                    print(shape, scheme, batch, f"{r['step_ms']:.1f} ms", flush=True)
                 del llm
                 gc.collect()
+    probes.append(read_bandwidth_gbs(torch.device("cpu")))
+    bandwidth = max(probes)
+    for r in raw:
+        share = {k: r[k] / r["step_ms"] for k in ("products", "attention", "other ops", "outside ops")}
+        floor = r["weight_bytes"] / (bandwidth * 1e9) * 1e3
+        rows.append([r["shape"], r["scheme"], r["batch"], r["step_ms"], r["batch"] * 1e3 / r["step_ms"],
+                     f"{r['products']:.1f} ({share['products']:.0%})",
+                     f"{r['attention']:.1f} ({share['attention']:.0%})",
+                     f"{r['other ops']:.1f} ({share['other ops']:.0%})",
+                     f"{r['outside ops']:.1f} ({share['outside ops']:.0%})", round(r["ops_per_step"]),
+                     r["weight_bytes"] / 1e6, floor, r["weight_bytes"] / r["products"] / 1e6 if r["products"] else None,
+                     f"{floor / r['step_ms']:.0%}"])
     columns = ["shape", "scheme", "sequences", "step ms", "tok/s", "products ms", "attention ms", "other ops ms",
-               "outside ops ms", "ops per step", "weights MB", "products floor ms", "products read GB/s"]
+               "outside ops ms", "ops per step", "weights MB", "products floor ms", "products read GB/s",
+               "of read bound"]
+    print(f"read bandwidth: {probes[0]:.1f} GB/s before, {probes[1]:.1f} GB/s after (the bound: the higher)")
     print_table(columns, rows)
     if args.out:
-        write_result(args.out, "profile_decode_split", columns, rows, raw={"copy_bandwidth_gb_s": bandwidth,
-                                                                          "runs": raw}, note=args.note)
+        write_result(args.out, "profile_decode_split", columns, rows,
+                     raw={"read_bandwidth_gb_s": bandwidth, "read_bandwidth_probes_gb_s": probes, "runs": raw},
+                     note=args.note)
 
 
 if __name__ == "__main__":
