@@ -391,7 +391,9 @@ class DecodeGraphs:
         if self.compiled is not None:
             inputs = (self.tokens[:bucket], self.positions[:bucket], self.slots[:bucket], self.block_tables[:bucket],
                       self.context_lens[:bucket])
-            for t in inputs:  # say which graph: dynamo's own guess depends on what compiled before in the process
+            # Say which graph (torch._dynamo's marks are the API PyTorch's dynamic-shape guide gives for
+            # this): dynamo's own guess depends on what compiled before in the process.
+            for t in inputs:
                 if bucket > 1:  # dynamic, yet free to be split where the code branches on the row count
                     torch._dynamo.maybe_mark_dynamic(t, 0)
                 else:
@@ -419,7 +421,8 @@ class DecodeGraphs:
         return self.runner.model(tokens, positions, meta, self.runner.cache)
 
     def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., object]:
-        """torch.compile's backend: Inductor, counting the graphs it compiles (a test bounds them)."""
+        """torch.compile's backend: Inductor (its entry point, which the "inductor" backend name calls),
+        counting the graphs it compiles (a test bounds them)."""
         from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 (imported once something compiles)
 
         compiled = compile_fx(gm, example_inputs)  # may raise to restart the trace (then it is called again)

@@ -77,19 +77,38 @@ def test_the_compiled_step_gives_the_eager_tokens_with_two_compiles(llama_dir, q
     assert len({tuple(o) for o in eager}) == 6
 
 
+GEMMA3 = dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=True, query_pre_attn_scalar=24,
+              num_hidden_layers=6, sliding_window=8, rope_parameters={
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                  "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
+PHI3 = dict(partial_rotary_factor=0.5, max_position_embeddings=128, original_max_position_embeddings=32,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
+                          "long_factor": [1.0, 2.5, 6.0, 11.0]})
+
+
 @pytest.mark.parametrize("arch,overrides", [
     ("gpt2", {}),
     ("mistral", {"sliding_window": 8}),  # the window passed into the fused kernel, traced as a constant
     ("qwen3", {}),  # q/k norms
-])
+    ("gemma3", GEMMA3),  # 5:1 local/global layers with two rotary tables, (1 + w) norms
+    ("phi3", PHI3),  # its checkpoint's fused projections, partial LongRoPE, decoding past the original length
+], ids=["gpt2", "mistral-window", "qwen3", "gemma3", "phi3-longrope"])
 def test_the_compiled_step_gives_hf_greedy_tokens(arch, overrides, tmp_path) -> None:
     """HF parity through the compiled step, on families whose decode differs in what surrounds the
-    kernels: learned positions and LayerNorm, a sliding window (outrun by the generation), q/k norms."""
+    kernels: learned positions and LayerNorm, a sliding window (outrun by the generation), q/k norms,
+    per-layer rotary tables, LongRoPE's switch of factors."""
     if not paged_attention.kernel_available():
         pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
-    prompt = [5, 17, 42, 8, 99, 23, 61, 7, 3, 11]
+    prompt = [5, 17, 42, 8, 99, 23, 61, 7, 3, 11, 250, 31, 77, 120, 64, 9, 200, 13, 44, 2, 180, 6, 95, 150]
     if arch == "gpt2":
         directory, hf = save_tiny_gpt2(tmp_path / arch), build_tiny_gpt2()
+    elif arch in ("gemma3", "phi3"):
+        import transformers
+
+        directory = write_tiny_llama(tmp_path / arch, arch, seed=3, with_tokenizer=False, **overrides)
+        hf_cls = {"gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}[arch]
+        hf = getattr(transformers, hf_cls).from_pretrained(directory, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
     else:
         directory, hf = write_tiny_llama(tmp_path / arch, arch=arch, **overrides), build_tiny_llama(arch, **overrides)
     llm = LLM(str(directory), enforce_eager=False, dtype="float32",
