@@ -51,6 +51,7 @@ SERVICE_LAYERS: dict[str, set[str]] = {
     "launch": set(),  # runs before Ray Serve is imported
     "engine": set(),
     "tenancy": {"errors"},
+    "batch": {"errors"},  # files and batches on disk; what runs a batch's requests sits above the edge
     "http": {"errors", "engine", "tenancy"},
     "openai": {"errors", "tools", "engine", "tenancy", "http"},
     "anthropic": {"errors", "tools", "engine", "tenancy", "http", "openai"},

@@ -1,0 +1,145 @@
+"""Uploaded files (OpenAI's Files API, `purpose=batch`) and the files a batch writes, kept in a
+directory so that they outlive the process: `{root}/files/{id}` holds the bytes and
+`{root}/files/{id}.json` the file object. Each is written to a temporary name, flushed to disk
+and renamed, so a crash leaves either the whole file or none of it; a content file without its
+object (a crash between the two) is not a file and is removed when the store opens.
+
+Owners: a file belongs to the tenant that uploaded it (None: no API keys configured); another
+tenant asking for it gets "no such file", as OpenAI answers for another organisation's ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from service.errors import APIError
+
+PURPOSES = ("batch", "batch_output")  # what a client uploads; what a batch writes (output and error files)
+UPLOAD_PURPOSES = ("batch",)
+MAX_FILE_BYTES = 200 << 20  # OpenAI's limit on a batch input file
+MAX_FILE_LINES = 50_000  # OpenAI's limit on the requests of one batch
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    owner: str | None
+    lines: int  # non-empty lines: a batch input file's requests
+
+    def to_openai(self) -> dict[str, Any]:
+        """The file object of OpenAI's API."""
+        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
+                "status_details": None}
+
+
+def no_such_file(file_id: str) -> APIError:
+    return APIError(f"No such file: {file_id!r}.", status=404, param="file_id", code="file_not_found")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` at `path`, all of it or (after a crash) nothing: a temporary file, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class FileStore:
+    """Files by id under `root`/files; `max_bytes` and `max_lines` bound an upload (413 beyond)."""
+
+    def __init__(self, root: str | Path, max_bytes: int = MAX_FILE_BYTES, max_lines: int = MAX_FILE_LINES) -> None:
+        self.dir = Path(root) / "files"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.max_lines = max_bytes, max_lines
+        self._lock = threading.Lock()
+        self._records: dict[str, FileRecord] = {}
+        for meta in self.dir.glob("file-*.json"):
+            record = FileRecord(**json.loads(meta.read_text()))
+            if (self.dir / record.id).is_file():
+                self._records[record.id] = record
+        for leftover in self.dir.iterdir():  # a crash's temporaries, and content or object without the other
+            stem = leftover.name.removesuffix(".json")
+            if leftover.name.startswith(".") or stem not in self._records:
+                leftover.unlink(missing_ok=True)
+
+    def create(self, content: bytes, filename: str, purpose: str, owner: str | None) -> FileRecord:
+        """Store an upload; APIError 400 for an unknown purpose, 413 for a file over the limits."""
+        if purpose not in UPLOAD_PURPOSES:
+            raise APIError(f"purpose must be one of {list(UPLOAD_PURPOSES)}, got {purpose!r}.", param="purpose")
+        if len(content) > self.max_bytes:
+            raise APIError(f"The file is {len(content)} bytes; at most {self.max_bytes} are accepted.", status=413,
+                           param="file", code="file_too_large")
+        lines = sum(1 for line in content.splitlines() if line.strip())
+        if lines > self.max_lines:
+            raise APIError(f"The file has {lines} requests (non-empty lines); at most {self.max_lines} are "
+                           "accepted in one batch.", status=413, param="file", code="too_many_lines")
+        return self.write(content, filename, purpose, owner, lines)
+
+    def write(self, content: bytes, filename: str, purpose: str, owner: str | None, lines: int | None = None
+              ) -> FileRecord:
+        """Store `content` (a batch's output or error file, or a checked upload)."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"unknown purpose {purpose!r}")
+        record = FileRecord(id=f"file-{secrets.token_hex(12)}", bytes=len(content), created_at=int(time.time()),
+                            filename=filename, purpose=purpose, owner=owner,
+                            lines=lines if lines is not None else sum(1 for x in content.splitlines() if x.strip()))
+        write_atomically(self.dir / record.id, content)
+        write_atomically(self.dir / f"{record.id}.json", json.dumps(asdict(record)).encode())
+        with self._lock:
+            self._records[record.id] = record
+        return record
+
+    def get(self, file_id: str, owner: str | None) -> FileRecord:
+        """The file, if `owner` may see it; else APIError 404."""
+        record = self._records.get(file_id)
+        if record is None or record.owner != owner:
+            raise no_such_file(file_id)
+        return record
+
+    def content(self, file_id: str, owner: str | None) -> bytes:
+        return (self.dir / self.get(file_id, owner).id).read_bytes()
+
+    def delete(self, file_id: str, owner: str | None) -> dict[str, Any]:
+        """Remove the file (its object first: a crash between the two leaves content the next
+        start removes). OpenAI's deletion object."""
+        record = self.get(file_id, owner)
+        with self._lock:
+            self._records.pop(record.id, None)
+        (self.dir / f"{record.id}.json").unlink(missing_ok=True)
+        (self.dir / record.id).unlink(missing_ok=True)
+        return {"id": record.id, "object": "file", "deleted": True}
+
+    def list(self, owner: str | None, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
+             order: str = "desc") -> dict[str, Any]:
+        """OpenAI's list object of `owner`'s files, newest first (`order="desc"`) or oldest first,
+        those after the file `after` in that order, at most `limit`."""
+        if order not in ("asc", "desc"):
+            raise APIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
+        if not 1 <= limit <= 10_000:
+            raise APIError(f"limit must be between 1 and 10000, got {limit}.", param="limit")
+        with self._lock:
+            mine = [r for r in self._records.values() if r.owner == owner and purpose in (None, r.purpose)]
+        mine.sort(key=lambda r: (r.created_at, r.id), reverse=order == "desc")
+        if after is not None:
+            ids = [r.id for r in mine]
+            if after not in ids:
+                raise no_such_file(after)
+            mine = mine[ids.index(after) + 1:]
+        page = mine[:limit]
+        return {"object": "list", "data": [r.to_openai() for r in page],
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                "has_more": len(mine) > limit}
