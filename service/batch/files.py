@@ -89,12 +89,14 @@ class FileStore:
                            "accepted in one batch.", status=413, param="file", code="too_many_lines")
         return self.write(content, filename, purpose, owner, lines)
 
-    def write(self, content: bytes, filename: str, purpose: str, owner: str | None, lines: int | None = None
-              ) -> FileRecord:
-        """Store `content` (a batch's output or error file, or a checked upload)."""
+    def write(self, content: bytes, filename: str, purpose: str, owner: str | None, lines: int | None = None,
+              file_id: str | None = None) -> FileRecord:
+        """Store `content` (a batch's output or error file, or a checked upload); `file_id` names it
+        (a batch's output files are named after the batch: written again after a restart, they
+        replace themselves instead of leaving a second copy)."""
         if purpose not in PURPOSES:
             raise ValueError(f"unknown purpose {purpose!r}")
-        record = FileRecord(id=f"file-{secrets.token_hex(12)}", bytes=len(content), created_at=int(time.time()),
+        record = FileRecord(id=file_id or f"file-{secrets.token_hex(12)}", bytes=len(content), created_at=int(time.time()),
                             filename=filename, purpose=purpose, owner=owner,
                             lines=lines if lines is not None else sum(1 for x in content.splitlines() if x.strip()))
         write_atomically(self.dir / record.id, content)

@@ -1,0 +1,178 @@
+"""Running batches (service/batch/runner.py) from validation to their end, through a `send` that
+answers as an endpoint does (200 with a body, or 400 with the error shape for a body it refuses):
+the output and error files, cancellation, expiry, owners, and a restart mid-batch that neither
+loses an answer nor sends a request twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+
+from service.batch.files import FileStore
+from service.batch.runner import BatchRunner
+from service.errors import APIError
+
+CHAT = "/v1/chat/completions"
+
+
+def request_line(custom_id: str, max_tokens: int = 4) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT,
+                       "body": {"model": "m", "max_tokens": max_tokens,
+                                "messages": [{"role": "user", "content": custom_id}]}})
+
+
+class Endpoint:
+    """Answers a chat body: 400 in the error shape for max_tokens < 1, else 200 echoing the prompt.
+    Counts what it was sent; `gate` (when set) holds every request until it is opened."""
+
+    def __init__(self) -> None:
+        self.sent: Counter[str] = Counter()
+        self.gate: asyncio.Event | None = None
+        self.fail_after: int | None = None  # raise (the process stopping) once this many were answered
+        self.arrived = 0  # requests that reached the endpoint (answered or waiting at the gate)
+
+    async def __call__(self, url: str, body: dict, owner: str | None) -> tuple[int, dict]:
+        assert url == CHAT
+        if self.fail_after is not None and sum(self.sent.values()) >= self.fail_after:
+            raise RuntimeError("the engine went away")
+        self.arrived += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        prompt = body["messages"][0]["content"]
+        self.sent[prompt] += 1
+        if body["max_tokens"] < 1:
+            return 400, {"error": {"message": "max_tokens must be at least 1", "type": "invalid_request_error",
+                                   "param": "max_tokens", "code": None}}
+        return 200, {"object": "chat.completion", "choices": [{"message": {"content": f"re: {prompt}"}}]}
+
+
+def upload(files: FileStore, *lines: str, owner: str | None = None) -> str:
+    return files.create(("\n".join(lines) + "\n").encode(), "in.jsonl", "batch", owner).id
+
+
+def lines_of(files: FileStore, file_id: str | None, owner: str | None = None) -> list[dict]:
+    return [] if file_id is None else [json.loads(x) for x in files.content(file_id, owner).splitlines()]
+
+
+def test_a_batch_runs_to_completed_with_its_output_and_error_files(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    runner = BatchRunner(tmp_path, files, endpoint)
+    file_id = upload(files, request_line("a"), request_line("bad", max_tokens=0), request_line("c"))
+    batch = runner.create(file_id, CHAT, "24h", {"job": "t"}, None)
+    assert runner.pending() == [batch.id]
+    done = asyncio.run(runner.run(batch.id)).to_openai()
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert all(done[f"{s}_at"] for s in ("in_progress", "finalizing", "completed"))
+    output = lines_of(files, done["output_file_id"])
+    assert [x["custom_id"] for x in output] == ["a", "c"]
+    assert output[0]["response"]["status_code"] == 200 and output[0]["error"] is None
+    assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == "re: a"
+    [error] = lines_of(files, done["error_file_id"])
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "max_tokens"
+    assert files.get(done["output_file_id"], None).purpose == "batch_output"
+    assert runner.pending() == [] and endpoint.sent == Counter({"a": 1, "bad": 1, "c": 1})
+
+
+def test_a_file_with_a_wrong_structure_fails_the_batch_and_sends_nothing(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    runner = BatchRunner(tmp_path, files, endpoint)
+    file_id = upload(files, request_line("a"), "not json", request_line("a"))
+    batch = asyncio.run(runner.run(runner.create(file_id, CHAT, "24h", None, None).id)).to_openai()
+    assert batch["status"] == "failed" and batch["failed_at"] and batch["output_file_id"] is None
+    assert [(e["line"], e["code"]) for e in batch["errors"]["data"]] == [(2, "invalid_json_line"),
+                                                                        (3, "duplicate_custom_id")]
+    assert not endpoint.sent
+
+
+def test_a_restart_mid_batch_sends_only_what_was_not_answered(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    ids = [f"r{i}" for i in range(7)]
+    file_id = upload(files, *(request_line(i) for i in ids))
+    first = BatchRunner(tmp_path, files, endpoint, concurrency=1)
+    batch_id = first.create(file_id, CHAT, "24h", None, None).id
+    endpoint.fail_after = 3
+    with pytest.raises(RuntimeError, match="went away"):
+        asyncio.run(first.run(batch_id))
+    # The process stops here; a new one opens the same directory.
+    endpoint.fail_after = None
+    second = BatchRunner(tmp_path, FileStore(tmp_path), endpoint)
+    record = second.get(batch_id, None)
+    assert record.status == "in_progress" and (record.completed, record.total) == (3, 7)
+    assert second.pending() == [batch_id]
+    done = asyncio.run(second.run(batch_id))
+    assert done.status == "completed" and done.completed == 7
+    assert [x["custom_id"] for x in lines_of(second.files, done.output_file_id)] == ids
+    assert endpoint.sent == Counter({i: 1 for i in ids})  # none sent twice, none lost
+    third = BatchRunner(tmp_path, FileStore(tmp_path), endpoint)  # an ended batch keeps its counts
+    assert third.get(batch_id, None).to_openai()["request_counts"] == {"total": 7, "completed": 7, "failed": 0}
+
+
+def test_cancelling_ends_the_batch_with_the_answers_so_far(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    runner = BatchRunner(tmp_path, files, endpoint, concurrency=2)
+    batch_id = runner.create(upload(files, *(request_line(f"r{i}") for i in range(6))), CHAT, "24h", None, None).id
+
+    async def scenario():
+        endpoint.gate = asyncio.Event()
+        task = asyncio.create_task(runner.run(batch_id))
+        while endpoint.arrived < 2:  # the two requests concurrency lets in now wait at the gate
+            await asyncio.sleep(0)
+        assert runner.cancel(batch_id, None).status == "cancelling"
+        endpoint.gate.set()
+        return await task
+
+    done = asyncio.run(scenario()).to_openai()
+    assert done["status"] == "cancelled" and done["cancelling_at"] and done["cancelled_at"]
+    assert done["request_counts"]["completed"] == 2 and sum(endpoint.sent.values()) == 2
+    assert len(lines_of(files, done["output_file_id"])) == 2
+    with pytest.raises(APIError) as err:
+        runner.cancel(batch_id, None)
+    assert err.value.status == 409
+
+
+def test_an_expired_batch_gives_each_request_not_run_an_expired_error(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    now = [1_000_000.0]
+    runner = BatchRunner(tmp_path, files, endpoint, clock=lambda: now[0])
+    batch = runner.create(upload(files, request_line("a"), request_line("b")), CHAT, "24h", None, None)
+    now[0] = batch.expires_at + 1.0
+    done = asyncio.run(runner.run(batch.id)).to_openai()
+    assert done["status"] == "expired" and done["output_file_id"] is None and not endpoint.sent
+    errors = lines_of(files, done["error_file_id"])
+    assert [(x["custom_id"], x["error"]["code"], x["response"]) for x in errors] == [("a", "batch_expired", None),
+                                                                                   ("b", "batch_expired", None)]
+
+
+def test_a_tenant_sees_and_cancels_only_its_own_batches(tmp_path) -> None:
+    files = FileStore(tmp_path)
+    runner = BatchRunner(tmp_path, files, Endpoint())
+    theirs = upload(files, request_line("a"), owner="tenant-a")
+    with pytest.raises(APIError) as err:
+        runner.create(theirs, CHAT, "24h", None, "tenant-b")
+    assert err.value.status == 404
+    batch = runner.create(theirs, CHAT, "24h", None, "tenant-a")
+    for call in (lambda: runner.get(batch.id, "tenant-b"), lambda: runner.cancel(batch.id, "tenant-b")):
+        with pytest.raises(APIError) as err:
+            call()
+        assert err.value.status == 404
+    assert runner.list("tenant-b")["data"] == [] and [b["id"] for b in runner.list("tenant-a")["data"]] == [batch.id]
+    output = files.write(b"{}\n", "out.jsonl", "batch_output", "tenant-a")
+    with pytest.raises(APIError) as err:
+        runner.create(output.id, CHAT, "24h", None, "tenant-a")
+    assert err.value.param == "input_file_id"
+
+
+def test_listing_batches_pages_newest_first(tmp_path) -> None:
+    files = FileStore(tmp_path)
+    runner = BatchRunner(tmp_path, files, Endpoint())
+    file_id = upload(files, request_line("a"))
+    made = [runner.create(file_id, CHAT, "24h", None, None).id for _ in range(5)]
+    everything = [b["id"] for b in runner.list(None, limit=100)["data"]]
+    assert sorted(everything) == sorted(made)
+    page = runner.list(None, limit=2)
+    assert page["has_more"] and [b["id"] for b in page["data"]] == everything[:2]
+    assert [b["id"] for b in runner.list(None, after=page["last_id"])["data"]] == everything[2:]
