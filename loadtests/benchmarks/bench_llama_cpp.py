@@ -67,6 +67,14 @@ TARGETS = {("float32", "decode b1"): 1.0, ("float32", "gen b16"): 1.5, ("float32
            ("int8", "gen b64"): 1.5, ("int4", "decode b1"): 1.0, ("int4", "gen b16"): 1.5, ("int4", "gen b64"): 1.5}
 
 
+def shape_workloads(shape: str, batch1_only: bool) -> tuple[Workload, ...]:
+    """The shape's workloads; `batch1_only`: its batch-1 decode row alone."""
+    workloads = SHAPE_RUNS[shape][1]
+    if not batch1_only:
+        return workloads
+    return tuple(Workload(w.kind, w.npp, w.ntg, (1,)) for w in workloads if w.kind == "generation" and 1 in w.npl)
+
+
 def row_name(work: Workload, npl: int) -> str:
     if work.kind == "prefill":
         return f"prefill {npl}x{work.npp}"
@@ -91,7 +99,7 @@ def run_engine(source: str, scheme: str, workloads: tuple[Workload, ...], args: 
 # --- the run ---------------------------------------------------------------------------------------
 
 def run_shape(shape: str, tree: Path, bin_dir: Path, tmp: Path, args: argparse.Namespace) -> list[dict]:
-    _, workloads = SHAPE_RUNS[shape]
+    workloads = shape_workloads(shape, args.batch1_only)
     ckpt = tmp / shape
     checkpoint(SHAPE_RUNS[shape][0], str(ckpt))
     ggufs = convert(tree, bin_dir, ckpt, tmp, [t for _, types in PAIRS for t in types if t in args.types])
@@ -153,6 +161,7 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                     / "qkv-serve", help="where llama.cpp's source and build are kept")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="build jobs")
+    ap.add_argument("--batch1-only", action="store_true", help="only each shape's batch-1 decode row")
     ap.add_argument("--quick", action="store_true", help="the tiny Llama shape, f32 and Q8_0 only")
     add_result_args(ap, "results/bench_llama_cpp.json")
     args = ap.parse_args()
@@ -170,7 +179,8 @@ def main() -> None:
     if args.out:
         raw = {"threads": args.threads, "llama_cpp_python_sdist": LLAMA_CPP_PYTHON, "cmake_flags": CMAKE_FLAGS,
                "int4_group": args.group, "cpu": cpu_model(),
-               "workloads": {s: [vars(w) | {"npl": list(w.npl)} for w in SHAPE_RUNS[s][1]] for s in args.shapes},
+               "workloads": {s: [vars(w) | {"npl": list(w.npl)} for w in shape_workloads(s, args.batch1_only)]
+                             for s in args.shapes},
                "rows": rows}
         write_result(args.out, "bench_llama_cpp", columns, table_rows, raw=raw, note=args.note,
                      title="The engine against llama.cpp, same weights, same threads")
