@@ -13,6 +13,7 @@ from model.config import EngineConfig
 from model.engine.runner import DecodeGraphs
 from model.layers import paged_attention
 from model.layers.linear import dense, kernel
+from tests.support.requirements import required
 from tests.support.tiny_models import build_tiny_gpt2, build_tiny_llama, hf_greedy, save_tiny_gpt2, write_tiny_llama
 
 BS = 4
@@ -39,8 +40,8 @@ def _checks() -> tuple[str, ...]:
 def test_the_kernels_fake_implementations_agree_with_them() -> None:
     """torch.library.opcheck runs each op on real and on fake tensors and compares what comes out
     (shapes, dtypes, strides) and checks the op against its schema."""
-    if not (dense.kernel_available() and kernel.kernel_available() and paged_attention.kernel_available()):
-        pytest.skip("the C++ kernels did not build here")
+    required(dense.kernel_available() and kernel.kernel_available() and paged_attention.kernel_available(),
+             "the C++ kernels did not build here")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g)
     torch.library.opcheck(torch.ops.qkv_dense.dense_matmul.default, (x, w, torch.randn(40, generator=g)),
@@ -64,8 +65,7 @@ def test_the_kernels_fake_implementations_agree_with_them() -> None:
     {"quantization": "int4", "quantization_group_size": 32, "quantization_activations": "float32"},
 ])
 def test_the_compiled_step_gives_the_eager_tokens_with_two_compiles(llama_dir, quant) -> None:
-    if not paged_attention.kernel_available():
-        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
     eager, _ = _generate(llama_dir, True, **quant)
     compiled, llm = _generate(llama_dir, False, **quant)
     graphs = llm.engine.runner.graphs
@@ -97,8 +97,7 @@ def test_the_compiled_step_gives_hf_greedy_tokens(arch, overrides, tmp_path) -> 
     """HF parity through the compiled step, on families whose decode differs in what surrounds the
     kernels: learned positions and LayerNorm, a sliding window (outrun by the generation), q/k norms,
     per-layer rotary tables, LongRoPE's switch of factors."""
-    if not paged_attention.kernel_available():
-        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
     prompt = [5, 17, 42, 8, 99, 23, 61, 7, 3, 11, 250, 31, 77, 120, 64, 9, 200, 13, 44, 2, 180, 6, 95, 150]
     if arch == "gpt2":
         directory, hf = save_tiny_gpt2(tmp_path / arch), build_tiny_gpt2()
@@ -123,8 +122,7 @@ def test_the_compiled_step_with_int8_activations_stays_close_to_eager(llama_dir)
     """int8 activations round each block of 32 activations to codes: a last-bit difference in a
     norm that Inductor computes in another order can move one code, so the compiled step is held
     to the eager logits within that rounding, not to identical tokens."""
-    if not (paged_attention.kernel_available() and kernel.int8_path() > 0):
-        pytest.skip("no int8-activation kernel path here")
+    required(paged_attention.kernel_available() and kernel.int8_path() > 0, "no int8-activation kernel path here")
     logits = {}
     for eager in (True, False):
         llm = LLM(llama_dir, enforce_eager=eager, quantization="int8", quantization_activations="int8",
@@ -158,8 +156,7 @@ def test_a_step_that_cannot_compile_decodes_eagerly_and_says_why(model, backend,
 def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama_dir, monkeypatch, caplog) -> None:
     """A backend that fails (here: Inductor raising) turns compilation off at start-up, logged and
     kept as `eager_reason`; the engine then decodes eagerly and gives the eager tokens."""
-    if not paged_attention.kernel_available():
-        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
 
     def broken(self, gm, example_inputs):
         raise RuntimeError("C++ compile error: no such compiler")
@@ -177,8 +174,7 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama_dir, monkeyp
 def test_a_compiled_graph_that_fails_mid_serving_leaves_the_step_to_eager(llama_dir, caplog) -> None:
     """A compiled graph that raises while serving (here: replaced by one that does) is dropped: the
     same rows run eagerly in that step, and every later step decodes eagerly."""
-    if not paged_attention.kernel_available():
-        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
     eager, _ = _generate(llama_dir, True)
     llm = LLM(llama_dir, enforce_eager=False, engine_config=EngineConfig(num_kv_blocks=64, block_size=BS, max_num_seqs=8))
     graphs = llm.engine.runner.graphs
@@ -198,8 +194,7 @@ def test_lora_rows_decode_eagerly_beside_compiled_base_rows(tmp_path) -> None:
     """An engine serving a LoRA adapter compiles the base model's decode step; steps with adapter
     rows run eagerly (their grouping by adapter changes from step to step). Base and adapter
     requests, alone and mixed, get the eager engine's tokens, and nothing recompiles."""
-    if not paged_attention.kernel_available():
-        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
     from peft import LoraConfig, get_peft_model
 
     base = write_tiny_llama(tmp_path / "base")
@@ -235,8 +230,7 @@ def test_buckets_past_the_kernels_row_limit_get_a_third_graph_at_start_up(llama_
     """Above 64 rows the dense and quantized products take another path, so a step of more rows
     needs its own graph: compiled at start-up with the other two (the largest bucket is warmed up),
     never while serving; the tokens stay the eager step's."""
-    if not paged_attention.kernel_available():
-        pytest.skip("the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
     prompts = [[1 + i % 250, 7, 3 + i % 5] for i in range(70)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     outs = {}
