@@ -96,7 +96,8 @@ class FileStore:
         replace themselves instead of leaving a second copy)."""
         if purpose not in PURPOSES:
             raise ValueError(f"unknown purpose {purpose!r}")
-        record = FileRecord(id=file_id or f"file-{secrets.token_hex(12)}", bytes=len(content), created_at=int(time.time()),
+        record = FileRecord(id=file_id or f"file-{secrets.token_hex(12)}", bytes=len(content),
+                            created_at=int(time.time()),
                             filename=filename, purpose=purpose, owner=owner,
                             lines=lines if lines is not None else sum(1 for x in content.splitlines() if x.strip()))
         write_atomically(self.dir / record.id, content)

@@ -17,6 +17,7 @@ from tests.support.requirements import required
 from tests.support.tiny_models import build_tiny_gpt2, build_tiny_llama, hf_greedy, save_tiny_gpt2, write_tiny_llama
 
 BS = 4
+NO_KERNEL = "the fused paged-attention kernel did not build here: nothing is compiled"
 PROMPTS = [[5 + i] * (2 + 3 * i) for i in range(6)]
 # Six sequences that finish one after another: decode batches of 6, 5, ... 1 (buckets 8, 8, 4, 4, 2, 1).
 PARAMS = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
@@ -65,7 +66,7 @@ def test_the_kernels_fake_implementations_agree_with_them() -> None:
     {"quantization": "int4", "quantization_group_size": 32, "quantization_activations": "float32"},
 ])
 def test_the_compiled_step_gives_the_eager_tokens_with_two_compiles(llama_dir, quant) -> None:
-    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), NO_KERNEL)
     eager, _ = _generate(llama_dir, True, **quant)
     compiled, llm = _generate(llama_dir, False, **quant)
     graphs = llm.engine.runner.graphs
@@ -97,7 +98,7 @@ def test_the_compiled_step_gives_hf_greedy_tokens(arch, overrides, tmp_path) -> 
     """HF parity through the compiled step, on families whose decode differs in what surrounds the
     kernels: learned positions and LayerNorm, a sliding window (outrun by the generation), q/k norms,
     per-layer rotary tables, LongRoPE's switch of factors."""
-    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), NO_KERNEL)
     prompt = [5, 17, 42, 8, 99, 23, 61, 7, 3, 11, 250, 31, 77, 120, 64, 9, 200, 13, 44, 2, 180, 6, 95, 150]
     if arch == "gpt2":
         directory, hf = save_tiny_gpt2(tmp_path / arch), build_tiny_gpt2()
@@ -156,7 +157,7 @@ def test_a_step_that_cannot_compile_decodes_eagerly_and_says_why(model, backend,
 def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama_dir, monkeypatch, caplog) -> None:
     """A backend that fails (here: Inductor raising) turns compilation off at start-up, logged and
     kept as `eager_reason`; the engine then decodes eagerly and gives the eager tokens."""
-    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), NO_KERNEL)
 
     def broken(self, gm, example_inputs):
         raise RuntimeError("C++ compile error: no such compiler")
@@ -174,7 +175,7 @@ def test_a_failed_compile_falls_back_to_eager_with_the_reason(llama_dir, monkeyp
 def test_a_compiled_graph_that_fails_mid_serving_leaves_the_step_to_eager(llama_dir, caplog) -> None:
     """A compiled graph that raises while serving (here: replaced by one that does) is dropped: the
     same rows run eagerly in that step, and every later step decodes eagerly."""
-    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), NO_KERNEL)
     eager, _ = _generate(llama_dir, True)
     llm = LLM(llama_dir, enforce_eager=False, engine_config=EngineConfig(num_kv_blocks=64, block_size=BS, max_num_seqs=8))
     graphs = llm.engine.runner.graphs
@@ -194,7 +195,7 @@ def test_lora_rows_decode_eagerly_beside_compiled_base_rows(tmp_path) -> None:
     """An engine serving a LoRA adapter compiles the base model's decode step; steps with adapter
     rows run eagerly (their grouping by adapter changes from step to step). Base and adapter
     requests, alone and mixed, get the eager engine's tokens, and nothing recompiles."""
-    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), NO_KERNEL)
     from peft import LoraConfig, get_peft_model
 
     base = write_tiny_llama(tmp_path / "base")
@@ -230,7 +231,7 @@ def test_buckets_past_the_kernels_row_limit_get_a_third_graph_at_start_up(llama_
     """Above 64 rows the dense and quantized products take another path, so a step of more rows
     needs its own graph: compiled at start-up with the other two (the largest bucket is warmed up),
     never while serving; the tokens stay the eager step's."""
-    required(paged_attention.kernel_available(), "the fused paged-attention kernel did not build here: nothing is compiled")
+    required(paged_attention.kernel_available(), NO_KERNEL)
     prompts = [[1 + i % 250, 7, 3 + i % 5] for i in range(70)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     outs = {}
