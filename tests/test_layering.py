@@ -70,6 +70,7 @@ TORCH_FREE = [
     "model.config",
     "model.engine.sequence",
     "model.engine.kv.block_manager",
+    "model.engine.kv.events",
     "model.engine.kv.share_layout",
     "model.engine.scheduler",
     "model.sampling.params",

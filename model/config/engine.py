@@ -63,6 +63,10 @@ class EngineConfig:
                                             "baseline for benchmarks only.")
     enable_prefix_caching: bool = described(True, "Reuse the K/V of full blocks whose tokens (and all before "
                                                   "them) an earlier request computed.")
+    enable_kv_cache_events: bool = described(False, "Record the prefix-cache blocks the pool stores and removes, "
+                                                     "by block hash (vLLM's KV events: BlockStored, BlockRemoved), "
+                                                     "for `Engine.drain_kv_events` to hand on once per step. Needs "
+                                                     "prefix caching.")
     kv_offload_bytes: int = described(0, "Bytes of the prefix cache's second tier: cached blocks evicted from "
                                          "the pool are kept there and copied back when a prompt's prefix "
                                          "runs into them, instead of being recomputed; in host memory, or in "

@@ -20,6 +20,7 @@ from model.engine.embedder import Embedder
 from model.engine.engine import Engine
 from model.engine.host_memory import keep_freed_memory
 from model.engine.kv.block_manager import BlockManager, blocks_for
+from model.engine.kv.events import KVEventLog
 from model.engine.kv.offload import KVOffload, PoolBlocks
 from model.engine.kv.share import SharedTier, Tiers
 from model.engine.kv.share_layout import namespace
@@ -115,7 +116,8 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
     incoming = IncomingBlocks(PoolBlocks(pool)) if caching and pool else None
     tiers = [t for t in (incoming, offload, share) if t is not None]
     blocks = BlockManager(num_blocks, ec.block_size, enable_prefix_caching=caching, salt=salt,
-                          tier=tiers[0] if len(tiers) == 1 else Tiers(*tiers) if tiers else None)
+                          tier=tiers[0] if len(tiers) == 1 else Tiers(*tiers) if tiers else None,
+                          events=KVEventLog() if ec.enable_kv_cache_events and caching else None)
     eos = frozenset(tokenizer.eos_token_ids)
     parts = EngineParts(
         config=ec, model_name=model, device=dev, dtype=dt, kv_cache_dtype=kv_dtype, model_config=cfg,

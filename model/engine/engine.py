@@ -14,6 +14,7 @@ import torch
 from model.engine.detokenizer import IncrementalDetokenizer
 from model.engine.image_step import span_embeds, span_positions
 from model.engine.kv.block_manager import blocks_for
+from model.engine.kv.events import KVEventBatch
 from model.engine.kv.transfer import KVBlocks
 from model.engine.parts import EngineParts
 from model.engine.scheduler import ScheduledSeq
@@ -180,6 +181,12 @@ class Engine:
         keys, run = self.scheduler.blocks.cached_prefix(prompt_token_ids, lora)
         pool = self.incoming.pool
         return KVBlocks(keys[:len(run)], pool.copy_out_many(run), pool.block_nbytes, self.kv_namespace)
+
+    def drain_kv_events(self) -> KVEventBatch | None:
+        """The prefix-cache changes of the pool since the last call, as one batch (None: none, or
+        `enable_kv_cache_events` off). Between steps, from the step thread."""
+        events = self.scheduler.blocks.events
+        return None if events is None else events.drain()
 
     def cached_prefix_blocks(self, prompt_token_ids: list[int], lora: str | None = None) -> tuple[int, int]:
         """(leading full blocks of the prompt in the pool now, full blocks it has). Reads only, so a

@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from model.engine.kv.events import BlockRemoved, BlockStored, KVEventLog
 from model.engine.sequence import Sequence
 
 
@@ -89,7 +90,10 @@ class BlockManager:
     """Hands out fixed-size KV blocks; a sequence's `block_table` lists the blocks it holds in order."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 salt: bytes = b"", null_block: int | None = None, tier: BlockTier | None = None) -> None:
+                 salt: bytes = b"", null_block: int | None = None, tier: BlockTier | None = None,
+                 events: KVEventLog | None = None) -> None:
+        """`events`: where the pool's prefix-cache changes are reported (model/engine/kv/events.py);
+        None: not reported."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -99,6 +103,7 @@ class BlockManager:
         self.null_block = num_blocks if null_block is None else null_block
         self.stats = PrefixCacheStats()
         self.tier = tier if enable_prefix_caching else None
+        self.events = events if enable_prefix_caching else None
         self._free: deque[int] = deque(range(num_blocks))  # count 0, nothing cached in them
         self._ref = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
@@ -166,6 +171,8 @@ class BlockManager:
         h = self._hash_of[block]
         if h is not None and self._cached.get(h) == block:
             del self._cached[h]
+            if self.events is not None:
+                self.events.add(BlockRemoved((h,)))
         self._hash_of[block] = None
 
     def release_out_of_window(self, seq: Sequence, first_visible: int) -> None:
@@ -221,7 +228,7 @@ class BlockManager:
         hashes = self.hashes(seq)[:limit]
         found = self.cached_run(hashes)
         if self.tier is not None:
-            found += self._from_tier(hashes[len(found):], set(found))
+            found += self._from_tier(hashes[len(found):], set(found), hashes[len(found) - 1] if found else None)
         return found
 
     def cached_run(self, hashes: list[bytes]) -> list[int]:
@@ -240,11 +247,11 @@ class BlockManager:
         keys = block_hashes(token_ids, self.block_size, sequence_salt(self.salt, lora))
         return keys, self.cached_run(keys)
 
-    def _from_tier(self, hashes: list[bytes], keep: set[int]) -> list[int]:
+    def _from_tier(self, hashes: list[bytes], keep: set[int], parent: bytes | None = None) -> list[int]:
         """The run of `hashes` from the pool or the tier: the tier's blocks are copied into pool
         blocks, cached there as evictable (the caller takes them like any cached block). Stops at
         a block neither has or the tier cannot read back, or when only blocks of the run so far
-        (`keep`) are left to reuse."""
+        (`keep`) are left to reuse. `parent`: the hash before the first (for the events)."""
         run: list[int] = []
         kept_evictable = sum(1 for b in keep if b in self._evictable)
         for h in hashes:
@@ -258,6 +265,9 @@ class BlockManager:
                     break
                 self._cached[h], self._hash_of[block] = block, h
                 self._evictable[block] = None  # the most recently used: evicted last
+                if self.events is not None:
+                    self.events.add(BlockStored((h,), parent, (), self.block_size, None))
+            parent = h
             if block in self._evictable:
                 kept_evictable += 1
             keep.add(block)
@@ -303,11 +313,29 @@ class BlockManager:
             return
         hashes = self.hashes(seq)
         prompt_blocks = seq.num_prompt_tokens // self.block_size
+        stored: list[int] = []
         for i in range(seq.num_committed_blocks, full):
             block, h = seq.block_table[i], hashes[i]
             if block != self.null_block and h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
+                stored.append(i)
                 if self.tier is not None and i < prompt_blocks:
                     self.tier.publish(block, h)
         seq.num_committed_blocks = full
+        if self.events is not None and stored:
+            self._report_stored(seq, hashes, stored)
+
+    def _report_stored(self, seq: Sequence, hashes: list[bytes], indices: list[int]) -> None:
+        """One BlockStored per run of consecutive chain positions newly cached."""
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs = self.block_size
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.add(BlockStored(tuple(hashes[first:last + 1]), hashes[first - 1] if first else None,
+                                        tuple(seq.token_ids[first * bs:(last + 1) * bs]), bs, seq.lora))

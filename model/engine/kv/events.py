@@ -1,0 +1,69 @@
+"""KV cache events: the prefix-cache blocks an engine made findable and those it gave up, by block
+hash, collected between two drains (one per engine step): the shape of vLLM's KV events
+(BlockStored, BlockRemoved, AllBlocksCleared in a batch with a timestamp), which an index of what
+every replica holds (llm-d's, NVIDIA Dynamo's) routes on. No torch.
+
+`medium` says which tier holds the block: "pool" (the device's paged pool; the tiers below it
+do not report yet).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks of one sequence's hash chain, in order, now findable in `medium`. `parent_block_hash`:
+    the hash of the block before the first (None: the first blocks of a chain); `token_ids`: the
+    tokens the blocks hold (empty when not known: blocks read back from a tier by hash)."""
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None
+    medium: str = "pool"
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks no longer findable in `medium` (their memory went to other tokens)."""
+
+    block_hashes: tuple[bytes, ...]
+    medium: str = "pool"
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every block of `medium` forgotten (a reset of the prefix cache)."""
+
+    medium: str = "pool"
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    ts: float  # seconds since the epoch, when the batch was drained
+    events: tuple[KVEvent, ...]
+
+
+@dataclass
+class KVEventLog:
+    """Events since the last `drain`, in the order they happened."""
+
+    pending: list[KVEvent] = field(default_factory=list)
+
+    def add(self, event: KVEvent) -> None:
+        self.pending.append(event)
+
+    def drain(self) -> KVEventBatch | None:
+        """The events since the last drain as one batch, or None when there were none."""
+        if not self.pending:
+            return None
+        batch = KVEventBatch(time.time(), tuple(self.pending))
+        self.pending = []
+        return batch
