@@ -5,13 +5,14 @@ Statuses, as OpenAI has them: validating -> in_progress -> finalizing -> complet
 input file's structure is wrong: every bad line is named in `errors`); cancelling -> cancelled;
 expired (the completion window ran out; the lines not answered get a `batch_expired` error line).
 
-The journal: a batch's answers are appended, one JSON line per request, to `{id}.answers.jsonl`,
-each line flushed to disk before the next request's answer is taken as done. The answers file is
-the only record of which requests are done: a restart reads it back (dropping a last line cut
-short by a crash, whose request is then run again), so no request's answer is lost and none is
-written twice. The batch object (`{id}.json`) is rewritten whole, atomically, on each change of
-status. When every request is answered, the answers are split into the output file (status 200)
-and the error file (the rest), stored as files of purpose `batch_output`.
+The journal, written by the one process that holds the batch while it runs: its answers are
+appended, one JSON line per request, to `{id}.answers.jsonl`, each line flushed to disk before the
+request counts as done. The answers file is the only record of which requests are done: a
+restart reads it back (dropping a last line cut short by a crash, whose request is then run
+again), so no request's answer is lost and none is written twice. The batch object (`{id}.json`)
+is rewritten whole, atomically, on each change, for every process to read. When every request is
+answered, the answers are split into the output file (status 200) and the error file (the rest),
+stored as files of purpose `batch_output`.
 """
 
 from __future__ import annotations
@@ -173,22 +174,29 @@ class BatchJournal:
     """A batch's record and answers on disk under `root`/batches."""
 
     def __init__(self, root: str | Path, record: BatchRecord) -> None:
+        """Only the process that holds the batch (service/batch/runner.py's lock) writes through it."""
         self.dir = Path(root) / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.record = record
         self._lock = threading.Lock()
         self._answers = self.dir / f"{record.id}.answers.jsonl"
 
-    @classmethod
-    def open_all(cls, root: str | Path) -> list[BatchJournal]:
-        """Every batch kept under `root`, its counts read back from its answers."""
+    @staticmethod
+    def load(root: str | Path, batch_id: str) -> BatchRecord | None:
+        """The batch's record as last saved, or None when there is no such batch."""
+        if not batch_id.startswith("batch_") or "/" in batch_id:
+            return None
+        try:
+            return BatchRecord(**json.loads((Path(root) / "batches" / f"{batch_id}.json").read_text()))
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def records(root: str | Path) -> list[BatchRecord]:
+        """Every batch kept under `root`, as last saved."""
         directory = Path(root) / "batches"
-        if not directory.is_dir():
-            return []
-        journals = [cls(root, BatchRecord(**json.loads(p.read_text()))) for p in sorted(directory.glob("batch_*.json"))]
-        for journal in journals:
-            journal.answered()  # truncates a last line cut short, recounts
-        return journals
+        found = (BatchJournal.load(root, p.stem) for p in directory.glob("batch_*.json")) if directory.is_dir() else ()
+        return [r for r in found if r is not None]
 
     def save(self) -> None:
         """The record, whole, atomically."""

@@ -1,8 +1,9 @@
 """Uploaded files (OpenAI's Files API, `purpose=batch`) and the files a batch writes, kept in a
-directory so that they outlive the process: `{root}/files/{id}` holds the bytes and
-`{root}/files/{id}.json` the file object. Each is written to a temporary name, flushed to disk
-and renamed, so a crash leaves either the whole file or none of it; a content file without its
-object (a crash between the two) is not a file and is removed when the store opens.
+directory that outlives the process and that the replicas of a node share: each file is a folder
+`{root}/files/{id}/` holding its bytes (`content`) and its file object (`object.json`), written in
+a temporary folder and renamed into place, so a file is there whole or not at all, for every
+process at once. Nothing is cached in memory: what one replica stores, another reads at once.
+A deletion renames the folder away before removing it.
 
 Owners: a file belongs to the tenant that uploaded it (None: no API keys configured); another
 tenant asking for it gets "no such file", as OpenAI answers for another organisation's ids.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import threading
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ PURPOSES = ("batch", "batch_output")  # what a client uploads; what a batch writ
 UPLOAD_PURPOSES = ("batch",)
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit on a batch input file
 MAX_FILE_LINES = 50_000  # OpenAI's limit on the requests of one batch
+STALE_TEMP_S = 3600  # a temporary folder this old was left by a crash (a live write takes far less)
 
 
 @dataclass(frozen=True)
@@ -65,16 +67,9 @@ class FileStore:
         self.dir = Path(root) / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.max_lines = max_bytes, max_lines
-        self._lock = threading.Lock()
-        self._records: dict[str, FileRecord] = {}
-        for meta in self.dir.glob("file-*.json"):
-            record = FileRecord(**json.loads(meta.read_text()))
-            if (self.dir / record.id).is_file():
-                self._records[record.id] = record
-        for leftover in self.dir.iterdir():  # a crash's temporaries, and content or object without the other
-            stem = leftover.name.removesuffix(".json")
-            if leftover.name.startswith(".") or stem not in self._records:
-                leftover.unlink(missing_ok=True)
+        for leftover in self.dir.glob(".*"):  # a crash's half-written or half-deleted folders, an hour old
+            if time.time() - leftover.stat().st_mtime > STALE_TEMP_S:
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def create(self, content: bytes, filename: str, purpose: str, owner: str | None) -> FileRecord:
         """Store an upload; APIError 400 for an unknown purpose, 413 for a file over the limits."""
@@ -97,34 +92,52 @@ class FileStore:
         if purpose not in PURPOSES:
             raise ValueError(f"unknown purpose {purpose!r}")
         record = FileRecord(id=file_id or f"file-{secrets.token_hex(12)}", bytes=len(content),
-                            created_at=int(time.time()),
-                            filename=filename, purpose=purpose, owner=owner,
+                            created_at=int(time.time()), filename=filename, purpose=purpose, owner=owner,
                             lines=lines if lines is not None else sum(1 for x in content.splitlines() if x.strip()))
-        write_atomically(self.dir / record.id, content)
-        write_atomically(self.dir / f"{record.id}.json", json.dumps(asdict(record)).encode())
-        with self._lock:
-            self._records[record.id] = record
+        tmp = self.dir / f".new-{record.id}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        write_atomically(tmp / "content", content)
+        write_atomically(tmp / "object.json", json.dumps(asdict(record)).encode())
+        final = self.dir / record.id
+        if final.exists():  # a batch's output written again after a restart: the new one replaces it
+            self._remove(final)
+        os.replace(tmp, final)
         return record
 
     def get(self, file_id: str, owner: str | None) -> FileRecord:
         """The file, if `owner` may see it; else APIError 404."""
-        record = self._records.get(file_id)
+        record = self._read(file_id)
         if record is None or record.owner != owner:
             raise no_such_file(file_id)
         return record
 
     def content(self, file_id: str, owner: str | None) -> bytes:
-        return (self.dir / self.get(file_id, owner).id).read_bytes()
+        try:
+            return (self.dir / self.get(file_id, owner).id / "content").read_bytes()
+        except FileNotFoundError:  # deleted by another process between the two reads
+            raise no_such_file(file_id) from None
 
     def delete(self, file_id: str, owner: str | None) -> dict[str, Any]:
-        """Remove the file (its object first: a crash between the two leaves content the next
-        start removes). OpenAI's deletion object."""
+        """Remove the file; OpenAI's deletion object."""
         record = self.get(file_id, owner)
-        with self._lock:
-            self._records.pop(record.id, None)
-        (self.dir / f"{record.id}.json").unlink(missing_ok=True)
-        (self.dir / record.id).unlink(missing_ok=True)
+        self._remove(self.dir / record.id)
         return {"id": record.id, "object": "file", "deleted": True}
+
+    def _remove(self, folder: Path) -> None:
+        gone = self.dir / f".gone-{folder.name}-{secrets.token_hex(4)}"
+        try:
+            os.replace(folder, gone)  # atomic: no reader sees a folder without its content
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def _read(self, file_id: str) -> FileRecord | None:
+        if not file_id.startswith("file-") or "/" in file_id or file_id in (".", ".."):
+            return None
+        try:
+            return FileRecord(**json.loads((self.dir / file_id / "object.json").read_text()))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def list(self, owner: str | None, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
              order: str = "desc") -> dict[str, Any]:
@@ -134,8 +147,8 @@ class FileStore:
             raise APIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
         if not 1 <= limit <= 10_000:
             raise APIError(f"limit must be between 1 and 10000, got {limit}.", param="limit")
-        with self._lock:
-            mine = [r for r in self._records.values() if r.owner == owner and purpose in (None, r.purpose)]
+        records = (self._read(entry.name) for entry in os.scandir(self.dir) if entry.name.startswith("file-"))
+        mine = [r for r in records if r is not None and r.owner == owner and purpose in (None, r.purpose)]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=order == "desc")
         if after is not None:
             ids = [r.id for r in mine]

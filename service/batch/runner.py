@@ -1,7 +1,12 @@
 """Running batches: what `POST /v1/batches`, `GET /v1/batches[/{id}]` and `.../cancel` do, and
-the loop that takes a batch from `validating` to its end, its requests sent through `send` (in
-the service: the interactive endpoint of the batch, at the lowest priority), so that a line gets
+`run`, which takes a batch from `validating` to its end, its requests sent through `send` (in the
+service: the interactive endpoint of the batch, at the lowest priority), so that a line gets
 exactly the answer, or the error, the endpoint would give it.
+
+Several processes (the replicas of a node) may share the directory: every call reads the batch
+as last saved, and a batch runs in the one process that holds its lock (`{id}.lock`, an OS file
+lock, given back when the run ends or the process dies). A cancel that reaches another process
+leaves a marker (`{id}.cancel`) that the running one reads before each request.
 
 A batch whose process stopped resumes where its journal ends (service/batch/batches.py): the
 requests already answered are not sent again. An error raised by `send` itself (not an answer:
@@ -12,8 +17,10 @@ the engine gone, the process stopping) ends `run` without recording that request
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +44,8 @@ class BatchRunner:
                  clock: Callable[[], float] = time.time) -> None:
         self.root, self.files, self.send = Path(root), files, send
         self.concurrency, self.clock = concurrency, clock
-        self.journals: dict[str, BatchJournal] = {j.record.id: j for j in BatchJournal.open_all(root)}
+        self.dir = self.root / "batches"
+        self.dir.mkdir(parents=True, exist_ok=True)
 
     # ---- the API's calls ---------------------------------------------------------------------
 
@@ -50,22 +58,20 @@ class BatchRunner:
             raise APIError(f"File {input_file_id!r} has purpose {record.purpose!r}; a batch reads a file uploaded "
                            "with purpose 'batch'.", param="input_file_id")
         batch = new_batch(endpoint, input_file_id, completion_window, metadata, owner)
-        journal = BatchJournal(self.root, batch)
-        journal.save()
-        self.journals[batch.id] = journal
+        BatchJournal(self.root, batch).save()
         return batch
 
     def get(self, batch_id: str, owner: str | None) -> BatchRecord:
-        journal = self.journals.get(batch_id)
-        if journal is None or journal.record.owner != owner:
+        record = BatchJournal.load(self.root, batch_id)
+        if record is None or record.owner != owner:
             raise no_such_batch(batch_id)
-        return journal.record
+        return record
 
     def list(self, owner: str | None, after: str | None = None, limit: int = 20) -> dict[str, Any]:
         """OpenAI's list of `owner`'s batches, newest first, those after `after`, at most `limit`."""
         if not 1 <= limit <= 100:
             raise APIError(f"limit must be between 1 and 100, got {limit}.", param="limit")
-        mine = sorted((j.record for j in self.journals.values() if j.record.owner == owner),
+        mine = sorted((r for r in BatchJournal.records(self.root) if r.owner == owner),
                       key=lambda r: (r.created_at, r.id), reverse=True)
         if after is not None:
             ids = [r.id for r in mine]
@@ -83,23 +89,64 @@ class BatchRunner:
         if record.status in TERMINAL:
             raise APIError(f"Batch {batch_id!r} has status {record.status!r} and cannot be cancelled.", status=409,
                            code="batch_not_cancellable")
-        if record.status != "cancelling":
-            record.enter("cancelling", self.clock())
-            self.journals[batch_id].save()
+        (self.dir / f"{batch_id}.cancel").touch()
+        with self._hold(batch_id) as held:
+            if held:  # nobody runs it: say so in its record now (a running process does it itself)
+                record = BatchJournal.load(self.root, batch_id) or record
+                if record.status not in TERMINAL:
+                    self._cancelling(BatchJournal(self.root, record))
+        if record.status not in TERMINAL:
+            record.enter("cancelling", record.times.get("cancelling", self.clock()))
         return record
 
     def pending(self) -> list[str]:
         """Batches not ended, oldest first: what a runner loop takes next."""
-        return [r.id for r in sorted((j.record for j in self.journals.values() if j.record.status not in TERMINAL),
+        return [r.id for r in sorted((r for r in BatchJournal.records(self.root) if r.status not in TERMINAL),
                                      key=lambda r: (r.created_at, r.id))]
 
     # ---- running -----------------------------------------------------------------------------
 
-    async def run(self, batch_id: str) -> BatchRecord:
+    async def run(self, batch_id: str) -> BatchRecord | None:
         """Take the batch to its end: validate its input (failed, every bad line named, when the
         structure is wrong), send each request not yet answered, then write the output and error
-        files. Stops early, ending the batch accordingly, when it is cancelled or its window ends."""
-        journal = self.journals[batch_id]
+        files. Stops early, ending the batch accordingly, when it is cancelled or its window ends.
+        None when another process runs it."""
+        with self._hold(batch_id) as held:
+            if not held:
+                return None
+            record = BatchJournal.load(self.root, batch_id)
+            if record is None:
+                raise no_such_batch(batch_id)
+            return await self._run(BatchJournal(self.root, record))
+
+    @contextmanager
+    def _hold(self, batch_id: str) -> Iterator[bool]:
+        """The batch's lock, if no other process holds it (True inside), for as long as the block runs."""
+        with open(self.dir / f"{batch_id}.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _cancelled(self, journal: BatchJournal) -> bool:
+        """Whether the batch is to stop (its record says so, or a cancel left its marker)."""
+        if journal.record.status == "cancelling":
+            return True
+        if (self.dir / f"{journal.record.id}.cancel").exists():
+            self._cancelling(journal)
+            return True
+        return False
+
+    def _cancelling(self, journal: BatchJournal) -> None:
+        journal.record.enter("cancelling", self.clock())
+        journal.save()
+
+    async def _run(self, journal: BatchJournal) -> BatchRecord:
         record = journal.record
         if record.status in TERMINAL:
             return record
@@ -110,7 +157,7 @@ class BatchRunner:
                                          f"{record.input_file_id!r} was deleted.", "param": "input_file_id",
                                          "line": None}])
         requests, errors = check_input(content, record.endpoint)
-        if record.status == "validating":
+        if record.status == "validating" and not self._cancelled(journal):
             if errors:
                 return self._fail(journal, errors)
             record.total = len(requests)
@@ -122,13 +169,14 @@ class BatchRunner:
 
         async def one(request) -> None:
             async with limit:
-                if record.status == "cancelling" or self.clock() >= record.expires_at:
+                if self._cancelled(journal) or self.clock() >= record.expires_at:
                     return
                 status, body = await self.send(record.endpoint, request.body, record.owner)
                 journal.append(answer_line(record.id, request.custom_id, status, body))
+                journal.save()  # the counts, for every process that reads the batch
 
         await asyncio.gather(*(one(r) for r in todo))
-        if record.status == "cancelling":
+        if self._cancelled(journal):
             end = "cancelled"
         elif self.clock() >= record.expires_at and len(journal.answered()) < len(requests):
             end = "expired"
@@ -165,4 +213,5 @@ class BatchRunner:
         record.enter(end, self.clock())
         journal.save()
         journal.remove_answers()
+        (self.dir / f"{record.id}.cancel").unlink(missing_ok=True)
         return record

@@ -5,6 +5,8 @@ back without losing or repeating an answer."""
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
@@ -39,7 +41,7 @@ def test_an_upload_is_kept_listed_read_and_deleted(tmp_path) -> None:
     with pytest.raises(APIError) as err:
         store.get(record.id, None)
     assert err.value.status == 404
-    assert list((tmp_path / "files").iterdir()) == []
+    assert [p for p in (tmp_path / "files").iterdir()] == []
 
 
 def test_a_file_is_seen_only_by_its_owner(tmp_path) -> None:
@@ -82,14 +84,32 @@ def test_listing_pages_with_after_and_limit_in_either_order(tmp_path) -> None:
             store.list(None, **bad)
 
 
-def test_files_outlive_the_store_and_a_crash_leaves_no_half_file(tmp_path) -> None:
+def test_files_outlive_the_store_and_every_process_sees_them_at_once(tmp_path) -> None:
+    one, other = FileStore(tmp_path), FileStore(tmp_path)  # two replicas sharing the directory
+    kept = one.create(jsonl(line("a")), "a.jsonl", "batch", None)
+    assert other.content(kept.id, None) == one.content(kept.id, None)
+    assert [f["id"] for f in other.list(None)["data"]] == [kept.id]
+    other.delete(kept.id, None)
+    with pytest.raises(APIError):
+        one.get(kept.id, None)
+
+
+def test_a_crash_mid_write_leaves_no_half_file(tmp_path) -> None:
     store = FileStore(tmp_path)
     kept = store.create(jsonl(line("a")), "a.jsonl", "batch", None)
-    (tmp_path / "files" / ".file-x.json.ab12.tmp").write_bytes(b"{")  # a write cut short
-    (tmp_path / "files" / "file-0123").write_bytes(b"content whose object was never written")
-    reopened = FileStore(tmp_path)
-    assert reopened.content(kept.id, None) == store.content(kept.id, None)
-    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept.id, f"{kept.id}.json"]
+    half = tmp_path / "files" / ".new-file-0123-ab12"  # a write cut short: content, no object
+    half.mkdir()
+    (half / "content").write_bytes(b"half")
+    fresh = tmp_path / "files" / ".new-file-4567-cd34"  # another process writing right now
+    fresh.mkdir()
+    old = time.time() - 2 * 3600
+    os.utime(half, (old, old))
+    FileStore(tmp_path)  # a start removes what a crash left an hour ago, never a write in progress
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted([".new-file-4567-cd34", kept.id])
+    assert [f["id"] for f in store.list(None)["data"]] == [kept.id]
+    for bad in ("file-0123", "../files", "file-x/../../etc"):
+        with pytest.raises(APIError):
+            store.get(bad, None)
 
 
 # ---- an input file's checks -----------------------------------------------------------------
@@ -159,8 +179,9 @@ def test_answers_survive_a_restart_and_a_line_cut_short_is_run_again(tmp_path) -
     assert (record.completed, record.failed) == (1, 1)
     with open(journal._answers, "ab") as f:  # a crash while the third answer was being written
         f.write(b'{"id": "batch_req_x", "custom_id": "c", "resp')
-    [reopened] = BatchJournal.open_all(tmp_path)
+    reopened = BatchJournal(tmp_path, BatchJournal.load(tmp_path, record.id))
     assert reopened.record.status == "in_progress" and reopened.record.total == 3
+    assert [r.id for r in BatchJournal.records(tmp_path)] == [record.id]
     assert set(reopened.answered()) == {"a", "b"}  # c runs again; a and b are not repeated
     assert (reopened.record.completed, reopened.record.failed) == (1, 1)
     reopened.append(answer_line(record.id, "c", 200, {"choices": []}))

@@ -176,3 +176,39 @@ def test_listing_batches_pages_newest_first(tmp_path) -> None:
     page = runner.list(None, limit=2)
     assert page["has_more"] and [b["id"] for b in page["data"]] == everything[:2]
     assert [b["id"] for b in runner.list(None, after=page["last_id"])["data"]] == everything[2:]
+
+
+def test_replicas_sharing_the_directory_see_one_batch_run_once_and_cancel_it_from_either(tmp_path) -> None:
+    """Two runners over one directory, as the replicas of a node: a batch created by one is seen
+    by the other, runs in only one of them (the other's run returns None while it holds the lock),
+    and a cancel that reaches the other stops it."""
+    endpoint = Endpoint()
+    one = BatchRunner(tmp_path, FileStore(tmp_path), endpoint, concurrency=1)
+    other = BatchRunner(tmp_path, FileStore(tmp_path), endpoint, concurrency=1)
+    batch_id = one.create(upload(one.files, *(request_line(f"r{i}") for i in range(5))), CHAT, "24h", None, None).id
+    assert other.pending() == [batch_id] and other.get(batch_id, None).status == "validating"
+
+    async def scenario():
+        endpoint.gate = asyncio.Event()
+        running = asyncio.create_task(one.run(batch_id))
+        while endpoint.arrived < 1:  # `one` holds the batch, its first request waits at the gate
+            await asyncio.sleep(0)
+        assert await other.run(batch_id) is None  # held by `one`: not run twice
+        assert other.cancel(batch_id, None).status == "cancelling"
+        endpoint.gate.set()
+        return await running
+
+    done = asyncio.run(scenario())
+    assert done.status == "cancelled" and done.completed == 1 and sum(endpoint.sent.values()) == 1
+    assert other.get(batch_id, None).to_openai()["request_counts"]["completed"] == 1
+    assert other.pending() == [] and not (tmp_path / "batches" / f"{batch_id}.cancel").exists()
+
+
+def test_a_batch_cancelled_before_it_runs_ends_without_sending_anything(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    runner = BatchRunner(tmp_path, files, endpoint)
+    batch_id = runner.create(upload(files, request_line("a")), CHAT, "24h", None, None).id
+    assert runner.cancel(batch_id, None).status == "cancelling"
+    assert runner.get(batch_id, None).status == "cancelling"  # written at once: nobody was running it
+    done = asyncio.run(runner.run(batch_id))
+    assert done.status == "cancelled" and not endpoint.sent and done.output_file_id is None
