@@ -51,17 +51,17 @@ SERVICE_LAYERS: dict[str, set[str]] = {
     "launch": set(),  # runs before Ray Serve is imported
     "engine": set(),
     "tenancy": {"errors"},
-    "batch": {"errors"},  # files and batches on disk; what runs a batch's requests sits above the edge
+    "batch": {"errors", "tenancy"},  # files and batches on disk, their routes and the loop that runs them
     "http": {"errors", "engine", "tenancy"},
     "openai": {"errors", "tools", "engine", "tenancy", "http"},
     "anthropic": {"errors", "tools", "engine", "tenancy", "http", "openai"},
     "explorer": {"errors", "engine", "http", "openai"},
-    "server": {"errors", "tools", "engine", "tenancy", "http", "openai", "anthropic", "explorer"},
+    "server": {"errors", "tools", "engine", "tenancy", "http", "openai", "anthropic", "explorer", "batch"},
     "host": {"engine", "autoscaling"},
     "replica": {"errors", "autoscaling", "engine", "tenancy", "http", "openai", "server", "host"},
     "routing": {"errors", "engine", "http", "openai"},
     "app": {"errors", "tools", "autoscaling", "launch", "engine", "tenancy", "http", "openai", "anthropic",
-            "explorer", "server", "host", "replica", "routing"},
+            "explorer", "server", "host", "replica", "routing", "batch"},
     "__init__": set(),
 }
 LAYERS = {"model": MODEL_LAYERS, "service": SERVICE_LAYERS}

@@ -174,6 +174,15 @@ class AppArgs(BaseModel):
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
         "auto", description="Whether `<think>` text is split into reasoning_content: auto: for chat templates "
                             "that think; none: never.")
+    batch_dir: str | None = Field(None, description="A directory for OpenAI's Files and Batch APIs (`/v1/files`, "
+                                  "`/v1/batches`): uploads, batches and their results live there and survive a "
+                                  "restart; the replicas of a node share it, and run its batches at the lowest "
+                                  "priority beside interactive requests. None: those APIs are not served (404).")
+    batch_max_file_bytes: int = Field(200 << 20, ge=1, description="The largest file `/v1/files` accepts; 413 past "
+                                      "it.")
+    batch_max_lines: int = Field(50_000, ge=1, description="The most requests (non-empty lines) of one batch input "
+                                 "file; 413 past it.")
+    batch_concurrency: int = Field(4, ge=1, description="Requests of one batch a replica has in flight at once.")
     stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="Each stream writes at most this often, the "
                                       "steps' tokens in between merged into one chunk; 0: as soon as a step "
                                       "delivers, merging only what a slow client left unread.")

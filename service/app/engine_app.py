@@ -143,6 +143,10 @@ def ingress_settings(args: AppArgs) -> IngressSettings:
         overload_status=args.overload_status,
         retry_after_s=args.retry_after_s,
         admission_capacity=args.admission(),
+        batch_dir=args.batch_dir,
+        batch_max_file_bytes=args.batch_max_file_bytes,
+        batch_max_lines=args.batch_max_lines,
+        batch_concurrency=args.batch_concurrency,
     )
 
 

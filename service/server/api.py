@@ -24,6 +24,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from model.config import max_concurrency
 from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthropic_error_response
+from service.batch.api import LOWEST_PRIORITY, BatchLoop, add_batch_routes, in_process_send
+from service.batch.files import FileStore
+from service.batch.runner import BatchRunner
 from service.errors import APIError, from_validation_error
 from service.explorer.attention_api import add_attention_routes
 from service.http.engine_call import watch_first_item
@@ -34,7 +37,7 @@ from service.openai.protocol import ChatCompletionRequest, CompletionRequest, De
 from service.openai.responses_api import add_responses_routes
 from service.openai.serving import OpenAIServing
 from service.tenancy.auth import KeyMiddleware, Lookup, current_tenant, keys_file, single_key
-from service.tenancy.keys import KeyTable
+from service.tenancy.keys import KeyTable, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,11 @@ class IngressSettings:
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     image_fetch_timeout_s: float = 5.0
+    # the Files and Batch APIs (service/batch/); the app arguments of the same names
+    batch_dir: str | None = None  # None: not served
+    batch_max_file_bytes: int = 200 << 20
+    batch_max_lines: int = 50_000
+    batch_concurrency: int = 4
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(self.max_images_per_request, self.max_image_bytes, self.max_image_pixels,
@@ -85,6 +93,22 @@ def add_key_check(app: FastAPI, lookup: Lookup, precheck: Callable[[Any], APIErr
     API routes also take Anthropic's `x-api-key: <key>` and answer in Anthropic's error shape."""
     app.add_middleware(KeyMiddleware, lookup=lookup, open_paths=OPEN_PATHS, messages_path=MESSAGES_PATH,
                        error_shapes=(error_response, anthropic_error_response), precheck=precheck)
+
+
+def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSettings) -> None:
+    """The Files and Batch APIs over `settings.batch_dir`, and the loop that runs its batches here,
+    each request through `app`'s own route at the lowest priority (under priority scheduling)."""
+    table = KeyTable(settings.api_keys_file) if settings.api_keys_file else None
+
+    def tenant(name: str) -> Tenant | None:
+        return table.tenant(name) if table is not None else None
+
+    files = FileStore(settings.batch_dir, settings.batch_max_file_bytes, settings.batch_max_lines)
+    send = in_process_send(app, tenant, LOWEST_PRIORITY if getattr(serving, "priority_scheduling", False) else None)
+    runner = BatchRunner(settings.batch_dir, files, send, settings.batch_concurrency)
+    loop = BatchLoop(runner)
+    add_batch_routes(app, runner, loop)
+    app.router.on_startup.append(loop.ensure)  # resume what a stopped replica left, without waiting for a request
 
 
 def key_lookup(settings: IngressSettings) -> Lookup | None:
@@ -386,6 +410,8 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
     add_embeddings_routes(app, serving, limit, read_model, respond)
     add_messages_routes(app, serving, limit, read_model, respond)
     add_responses_routes(app, serving, limit, read_model, respond)
+    if settings.batch_dir is not None:
+        add_batch_service(app, serving, settings)
 
     lookup = key_lookup(settings)
     if lookup is not None:

@@ -153,6 +153,11 @@ class KeyTable:
     def tenants(self) -> list[str]:
         return sorted({t.name for t in self._table.values()})
 
+    def tenant(self, name: str) -> Tenant | None:
+        """The tenant called `name` as the file says now, or None (no longer in it)."""
+        self._maybe_reload()
+        return next((t for t in self._table.values() if t.name == name), None)
+
     def lookup(self, key: str | bytes) -> Tenant | None:
         """The tenant `key` belongs to, or None."""
         self._maybe_reload()
