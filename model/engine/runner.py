@@ -10,9 +10,9 @@ into buffers padded to the next batch-size bucket, run, and the outputs sliced b
 CUDA each bucket's forward is captured once in a CUDA graph and replayed (vLLM's scheme). On the
 CPU the forward over the buffers is compiled (torch.compile, Inductor's C++ backend; the project's
 kernels are custom ops with fake implementations, so the graph never breaks on them): one graph
-for batch 1 and one with the batch dimension dynamic for every other bucket, both compiled when
-the engine starts. `enforce_eager` turns the static buffers, graphs and compilation off. Prefill
-runs eagerly.
+for batch 1 and one with the batch dimension dynamic for every other bucket (a third above 64
+rows), all compiled when the engine starts. `enforce_eager` turns the static buffers, graphs and
+compilation off. Prefill runs eagerly.
 """
 
 from __future__ import annotations
