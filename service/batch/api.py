@@ -9,7 +9,8 @@ file's) sees and cancels only its own files and batches.
 A batch's request runs through the replica's own app, in the process (`in_process_send`): the
 route of the batch's endpoint, with the batch owner's tenant (its quotas count the request) and,
 under priority scheduling, the lowest priority, so that it gives the answer or the error the
-interactive endpoint gives and yields to interactive requests.
+interactive endpoint gives; it is sent only while no request waits in the engine's queue, and
+yields to interactive requests once running (priority scheduling preempts it first).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 LOWEST_PRIORITY = 1_000_000  # the largest a request may ask for: served after every interactive one
 IDLE_POLL_S = 2.0  # how often an idle loop looks for batches another replica's API created
+BUSY_POLL_S = 0.05  # how often a batch request held back looks at the engine's queue again
 
 
 def _owner() -> str | None:
@@ -89,11 +91,17 @@ class BatchLoop:
                 pass
 
 
-def in_process_send(app: FastAPI, tenants: Callable[[str], Tenant | None], priority: int | None) -> Send:
+def in_process_send(app: FastAPI, tenants: Callable[[str], Tenant | None], priority: int | None,
+                    busy: Callable[[], bool] | None = None) -> Send:
     """`send` for the runner: the request into `app`'s route for the endpoint, without the HTTP
-    edge's key check (the batch's owner is the tenant it runs as), its JSON answer collected."""
+    edge's key check (the batch's owner is the tenant it runs as), its JSON answer collected.
+    `busy()`: whether interactive requests are queueing in the engine; a batch request waits
+    until they are not (the batch goes on whenever the engine has room, so it never starves for
+    long: interactive queues drain)."""
 
     async def send(endpoint: str, body: dict[str, Any], owner: str | None) -> tuple[int, dict[str, Any]]:
+        while busy is not None and busy():
+            await asyncio.sleep(BUSY_POLL_S)
         if body.get("stream"):
             return 400, APIError("stream is not supported in a batch request.", param="stream").body()
         if priority is not None and "priority" not in body:

@@ -142,6 +142,12 @@ class OpenAIServing:
 
     # ---- checks -----------------------------------------------------------------------
 
+    def num_waiting(self) -> int:
+        """Requests waiting in the engine for a place in its running batch (0 where the engine
+        does not say): what a batch job's requests hold back for."""
+        stats = getattr(getattr(self._engine, "loop", None), "stats", None)
+        return int(getattr(stats, "num_waiting", 0) or 0)
+
     def scheduling(self, priority: int | None) -> tuple[int, str | None]:
         """A request's (priority, tenant): the priority it sent, else (with priority scheduling)
         its tenant's default, else 0. With "fcfs" the engine answers 400 to a priority other than 0."""

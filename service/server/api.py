@@ -104,7 +104,8 @@ def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSet
         return table.tenant(name) if table is not None else None
 
     files = FileStore(settings.batch_dir, settings.batch_max_file_bytes, settings.batch_max_lines)
-    send = in_process_send(app, tenant, LOWEST_PRIORITY if getattr(serving, "priority_scheduling", False) else None)
+    send = in_process_send(app, tenant, LOWEST_PRIORITY if getattr(serving, "priority_scheduling", False) else None,
+                           busy=lambda: serving.num_waiting() > 0)
     runner = BatchRunner(settings.batch_dir, files, send, settings.batch_concurrency)
     loop = BatchLoop(runner)
     add_batch_routes(app, runner, loop)

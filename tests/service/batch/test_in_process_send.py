@@ -52,3 +52,15 @@ def test_the_routes_error_comes_back_with_its_status_and_streams_are_refused() -
     assert status == 400 and answer["error"]["param"] == "stream"
     status, answer = asyncio.run(send("/v1/completions", {"prompt": "hi"}, "gone"))  # no longer in the keys file
     assert status == 401 and answer["error"]["type"] == "authentication_error"
+
+
+def test_a_request_waits_while_the_engine_has_a_queue() -> None:
+    checks = []
+
+    def busy() -> bool:  # a queue for the first three looks, then none
+        checks.append(1)
+        return len(checks) <= 3
+
+    send = in_process_send(echo_app(), {}.get, None, busy=busy)
+    status, _ = asyncio.run(send("/v1/completions", {"prompt": "hi"}, None))
+    assert status == 200 and len(checks) == 4
