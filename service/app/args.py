@@ -210,6 +210,8 @@ class AppArgs(BaseModel):
             raise ValueError("api_keys_file serves one model per app for now; leave out models, or use api_key")
         if self.api_keys_file:
             KeyTable(self.api_keys_file)  # a missing or invalid file fails here, not in every replica
+        if self.batch_dir and self.models is not None:  # any replica may run any batch of the directory
+            raise ValueError("batch_dir serves one model per app for now; leave out models")
         return self
 
     @model_validator(mode="after")

@@ -27,7 +27,8 @@ def test_serve_never_caps_the_batch_by_default() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"max_num_seq": 8}, {"accelerator": "tpu"}, {"block_size": 0},
-                                 {"overload_status": 500}, {"num_replicas": 0}])
+                                 {"overload_status": 500}, {"num_replicas": 0},
+                                 {"batch_dir": "/tmp/b", "models": [{"model": "transformer-base"}]}])
 def test_bad_arguments_fail_at_build_time(bad: dict) -> None:
     with pytest.raises(ValidationError):
         call_user_app_builder_with_args_if_necessary(build_app, bad)
