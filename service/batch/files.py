@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,20 @@ class FileRecord:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
                 "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
                 "status_details": None}
+
+
+def list_page(ordered: list[Any], after: str | None, limit: int, missing: Callable[[str], APIError]
+              ) -> dict[str, Any]:
+    """OpenAI's list object of `ordered` (records with `id` and `to_openai()`): those after the one
+    whose id is `after` (`missing(after)` raised when there is none), at most `limit`."""
+    if after is not None:
+        ids = [r.id for r in ordered]
+        if after not in ids:
+            raise missing(after)
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": [r.to_openai() for r in page], "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None, "has_more": len(ordered) > limit}
 
 
 def no_such_file(file_id: str) -> APIError:
@@ -150,12 +165,4 @@ class FileStore:
         records = (self._read(entry.name) for entry in os.scandir(self.dir) if entry.name.startswith("file-"))
         mine = [r for r in records if r is not None and r.owner == owner and purpose in (None, r.purpose)]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=order == "desc")
-        if after is not None:
-            ids = [r.id for r in mine]
-            if after not in ids:
-                raise no_such_file(after)
-            mine = mine[ids.index(after) + 1:]
-        page = mine[:limit]
-        return {"object": "list", "data": [r.to_openai() for r in page],
-                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
-                "has_more": len(mine) > limit}
+        return list_page(mine, after, limit, no_such_file)

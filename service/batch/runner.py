@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from service.batch.batches import TERMINAL, BatchJournal, BatchRecord, answer_line, check_input, new_batch
-from service.batch.files import FileStore
+from service.batch.files import FileStore, list_page
 from service.errors import APIError
 
 # (endpoint, request body, owner) -> (HTTP status, JSON body) of the endpoint's answer.
@@ -73,14 +73,7 @@ class BatchRunner:
             raise APIError(f"limit must be between 1 and 100, got {limit}.", param="limit")
         mine = sorted((r for r in BatchJournal.records(self.root) if r.owner == owner),
                       key=lambda r: (r.created_at, r.id), reverse=True)
-        if after is not None:
-            ids = [r.id for r in mine]
-            if after not in ids:
-                raise no_such_batch(after)
-            mine = mine[ids.index(after) + 1:]
-        page = mine[:limit]
-        return {"object": "list", "data": [r.to_openai() for r in page], "first_id": page[0].id if page else None,
-                "last_id": page[-1].id if page else None, "has_more": len(mine) > limit}
+        return list_page(mine, after, limit, no_such_batch)
 
     def cancel(self, batch_id: str, owner: str | None) -> BatchRecord:
         """Ask a batch to stop: `cancelling` until the requests in flight are answered, then
