@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from loadtests.lib.checkpoints import PRESET, checkpoint  # noqa: E402
-from loadtests.lib.llama_cpp import Workload, engine_batched_bench, engine_config  # noqa: E402
+from loadtests.lib.llama_cpp import Workload, alternating_rates, engine_config  # noqa: E402
 from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 from model import LLM  # noqa: E402
 
@@ -56,13 +56,7 @@ def run_scheme(source: str, shape: str, scheme: str, args: argparse.Namespace, c
             raise SystemExit(f"the compiled engine decodes eagerly: {graphs and graphs.eager_reason}")
         engines[variant], compile_s[variant] = llm, llm.engine.runtime.startup_seconds["compile"]
         print(f"  {shape} {scheme} {variant}: compiled at start-up in {compile_s[variant]:.1f} s", flush=True)
-    for llm in engines.values():
-        engine_batched_bench(llm, 16, 2, 1, seed=99)  # warm-up: the kernels' first calls
-    rates: dict[tuple[str, int], list[float]] = {(k, b): [] for k in engines for b in args.batches}
-    for _ in range(args.rounds):
-        for b in args.batches:
-            for kind, llm in engines.items():
-                rates[kind, b].append(engine_batched_bench(llm, 128, args.steps, b, seed=b)["speed_tg"])
+    rates = alternating_rates(engines, args.batches, args.rounds, args.steps)
     for variant in args.variants:  # recompiles after start-up would show here (none expected)
         compiles[variant] = engines[variant].engine.runner.graphs.num_compiles
     del engines

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadtests.lib.checkpoints import checkpoint  # noqa: E402
-from loadtests.lib.llama_cpp import Workload, engine_batched_bench, engine_config  # noqa: E402
+from loadtests.lib.llama_cpp import Workload, alternating_rates, engine_config  # noqa: E402
 from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 from model import LLM  # noqa: E402
 from model.engine import builder  # noqa: E402
@@ -47,13 +47,7 @@ def run_scheme(source: str, shape: str, scheme: str, args: argparse.Namespace) -
     work = (Workload("generation", 128, args.steps, tuple(args.batches)),)
     engines = {"fused": load(source, scheme, work, args.group, True),
                "unfused": load(source, scheme, work, args.group, False)}
-    for llm in engines.values():
-        engine_batched_bench(llm, 16, 2, 1, seed=99)  # warm-up: the kernels' first calls
-    rates: dict[tuple[str, int], list[float]] = {(k, b): [] for k in engines for b in args.batches}
-    for _ in range(args.rounds):
-        for b in args.batches:
-            for kind, llm in engines.items():
-                rates[kind, b].append(engine_batched_bench(llm, 128, args.steps, b, seed=b)["speed_tg"])
+    rates = alternating_rates(engines, args.batches, args.rounds, args.steps)
     del engines
     gc.collect()
     rows = []

@@ -186,6 +186,21 @@ def engine_batched_bench(llm: LLM, npp: int, ntg: int, npl: int, seed: int = 0) 
             "t_tg": t_tg, "speed_tg": npl * ntg / t_tg if ntg else 0.0}
 
 
+def alternating_rates(engines: dict[str, LLM], batches: list[int], rounds: int, steps: int
+                      ) -> dict[tuple[str, int], list[float]]:
+    """Decode tokens/s of each engine at each batch size (llama-batched-bench's generation row,
+    128-token prompts, `steps` decode steps), the engines taking turns round after round so that
+    the machine's drift falls on all of them; after one warm-up row each (the kernels' first calls)."""
+    for llm in engines.values():
+        engine_batched_bench(llm, 16, 2, 1, seed=99)
+    rates: dict[tuple[str, int], list[float]] = {(k, b): [] for k in engines for b in batches}
+    for _ in range(rounds):
+        for b in batches:
+            for kind, llm in engines.items():
+                rates[kind, b].append(engine_batched_bench(llm, 128, steps, b, seed=b)["speed_tg"])
+    return rates
+
+
 def engine_config(scheme: str, workloads: tuple[Workload, ...], group: int) -> EngineConfig:
     """`scheme`: float32, int8 or int4, `+head` to quantize the LM head as the layers, `+head8` in
     int8 (else it stays float32), `+a8` for quantization_activations=int8 (llama.cpp's way:
