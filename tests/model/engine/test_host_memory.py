@@ -39,11 +39,12 @@ def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 for i in range(WARMUP):
     step(i)
-faults, before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, rss()
+per_step, before = [], rss()
 for i in range(STEPS):
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step(i)
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-print(json.dumps({"applied": keep_freed_memory(), "faults": faults, "growth": rss() - before}))
+    per_step.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+print(json.dumps({"applied": keep_freed_memory(), "faults": per_step, "growth": rss() - before}))
 """
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or "libc.so.6" not in str(ctypes.util.find_library("c")),
@@ -60,14 +61,21 @@ def _run(env: dict[str, str]) -> dict:
 def test_cpu_engine_reuses_freed_pages() -> None:
     got = _run({KEEP_FREED_MEMORY_ENV: "1"})  # whatever the caller's environment says
     assert got["applied"] is True
-    assert got["faults"] < PAGES // 50, got  # freed blocks came back without the kernel
-    # and the heap grows no more by whole steps (one step holds up to 146 MiB): what fragmentation
-    # still adds after the warm-up is a few MiB (10 MiB seen under a loaded CI run)
-    assert got["growth"] < 32 << 20, got
+    # Freed blocks come back without the kernel. Not always all of them: a small long-lived
+    # allocation (from another thread's timing) can land inside a freed 48 MiB block, and the next
+    # 48 MiB block then extends the heap once: 12,291 faults and 48 MiB of growth in one step, seen
+    # in about one run in five. So: at most two of the twelve steps take fresh pages (opted out,
+    # every step does), they fault on fewer than a tenth of the pages (opted out: all of them),
+    # and the heap grows by less than one whole step (146 MiB), not by a step each time.
+    faulting = [n for n in got["faults"] if n > 64]
+    assert len(faulting) <= 2, got
+    assert sum(got["faults"]) < PAGES // 10, got
+    assert got["growth"] < sum(SIZES_MIB) << 20, got
 
 
 @glibc
 def test_opting_out_leaves_malloc_as_it_was() -> None:
     got = _run({KEEP_FREED_MEMORY_ENV: "0"})
     assert got["applied"] is False
-    assert got["faults"] > PAGES // 2, got  # a fresh mapping: a fault per page
+    assert sum(got["faults"]) > PAGES // 2, got  # a fresh mapping: a fault per page
+    assert all(n > 64 for n in got["faults"]), got  # in every step
