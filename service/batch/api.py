@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
 
+from service.batch.batches import BatchJournal
 from service.batch.runner import BatchRunner, Send
 from service.errors import APIError
 from service.tenancy.auth import current_tenant
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 LOWEST_PRIORITY = 1_000_000  # the largest a request may ask for: served after every interactive one
 IDLE_POLL_S = 2.0  # how often an idle loop looks for batches another replica's API created
+STATUS_REFRESH_S = 5.0  # how often the batches-by-status gauge is set again (Ray drops a gauge left unset)
 BUSY_POLL_S = 0.05  # how often a batch request held back looks at the engine's queue again
 
 
@@ -60,18 +62,32 @@ def _int(request: Request, name: str, default: int) -> int:
 class BatchLoop:
     """Runs the pending batches of the directory one after another, in this replica's event loop;
     woken when a batch is created here, else looking again every IDLE_POLL_S (a batch created
-    through another replica, or one a stopped process left unfinished)."""
+    through another replica, or one a stopped process left unfinished). `on_statuses(counts)`:
+    given the directory's batches by status every STATUS_REFRESH_S, while a batch runs too."""
 
-    def __init__(self, runner: BatchRunner) -> None:
-        self.runner = runner
+    def __init__(self, runner: BatchRunner, on_statuses: Callable[[dict[str, int]], None] | None = None,
+                 status_every_s: float = STATUS_REFRESH_S) -> None:
+        self.runner, self.on_statuses, self.status_every_s = runner, on_statuses, status_every_s
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._status_task: asyncio.Task | None = None
 
     def ensure(self) -> None:
         """Start the loop in the running event loop, once."""
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+        if self.on_statuses is not None and (self._status_task is None or self._status_task.done()):
+            self._status_task = asyncio.get_running_loop().create_task(self._report_statuses())
+
+    async def _report_statuses(self) -> None:
+        while True:
+            try:
+                counts = await asyncio.to_thread(BatchJournal.status_counts, self.runner.root)
+                self.on_statuses(counts)
+            except Exception:  # noqa: BLE001 (a metric is not worth stopping for; logged, tried again)
+                logger.exception("could not count the batches by status")
+            await asyncio.sleep(self.status_every_s)
 
     def wake(self) -> None:
         self.ensure()

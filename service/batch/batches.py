@@ -32,6 +32,7 @@ from service.errors import APIError
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 TERMINAL = ("completed", "failed", "cancelled", "expired")
+STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *TERMINAL)  # OpenAI's
 MAX_LISTED_ERRORS = 1000  # `errors.data` names at most this many bad lines
 
 
@@ -198,6 +199,14 @@ class BatchJournal:
         found = (BatchJournal.load(root, p.stem) for p in directory.glob("batch_*.json")) if directory.is_dir() else ()
         return [r for r in found if r is not None]
 
+    @staticmethod
+    def status_counts(root: str | Path) -> dict[str, int]:
+        """How many batches under `root` have each status (every status, 0 where none has it)."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for record in BatchJournal.records(root):
+            counts[record.status] = counts.get(record.status, 0) + 1
+        return counts
+
     def save(self) -> None:
         """The record, whole, atomically."""
         write_atomically(self.dir / f"{self.record.id}.json", json.dumps(asdict(self.record)).encode())
@@ -247,6 +256,14 @@ class BatchJournal:
 
     def remove_answers(self) -> None:
         self._answers.unlink(missing_ok=True)
+
+
+def line_outcome(line: dict[str, Any]) -> str:
+    """`completed` (answered 200), `expired` (never ran: the window ended) or `failed`, as the
+    batch's request_counts and the lines metric count them."""
+    if _succeeded(line):
+        return "completed"
+    return "expired" if (line.get("error") or {}).get("code") == "batch_expired" else "failed"
 
 
 def _succeeded(line: dict[str, Any]) -> bool:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from service.batch.batches import TERMINAL, BatchJournal, BatchRecord, answer_line, check_input, new_batch
+from service.batch.batches import TERMINAL, BatchJournal, BatchRecord, answer_line, check_input, line_outcome, new_batch
 from service.batch.files import FileStore, list_page
 from service.errors import APIError
 
@@ -38,12 +38,13 @@ def no_such_batch(batch_id: str) -> APIError:
 
 class BatchRunner:
     """The batches kept under `root`, their files in `files`; at most `concurrency` requests of a
-    batch in flight at once. `clock`: seconds since the epoch (tests move it)."""
+    batch in flight at once. `clock`: seconds since the epoch (tests move it). `on_line(outcome)`:
+    called for each line this process records (`line_outcome`: completed, failed, expired)."""
 
     def __init__(self, root: str | Path, files: FileStore, send: Send, concurrency: int = 4,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, on_line: Callable[[str], None] | None = None) -> None:
         self.root, self.files, self.send = Path(root), files, send
-        self.concurrency, self.clock = concurrency, clock
+        self.concurrency, self.clock, self.on_line = concurrency, clock, on_line
         self.dir = self.root / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -165,7 +166,7 @@ class BatchRunner:
                 if self._cancelled(journal) or self.clock() >= record.expires_at:
                     return
                 status, body = await self.send(record.endpoint, request.body, record.owner)
-                journal.append(answer_line(record.id, request.custom_id, status, body))
+                self._record(journal, answer_line(record.id, request.custom_id, status, body))
                 journal.save()  # the counts, for every process that reads the batch
 
         await asyncio.gather(*(one(r) for r in todo))
@@ -176,12 +177,17 @@ class BatchRunner:
             answered = journal.answered()
             for request in requests:
                 if request.custom_id not in answered:
-                    journal.append(answer_line(record.id, request.custom_id, 0, None, error={
+                    self._record(journal, answer_line(record.id, request.custom_id, 0, None, error={
                         "code": "batch_expired", "message": "This request could not be run before the batch "
                                                             "expired."}))
         else:
             end = "completed"
         return self._finish(journal, [r.custom_id for r in requests], end)
+
+    def _record(self, journal: BatchJournal, line: dict[str, Any]) -> None:
+        journal.append(line)
+        if self.on_line is not None:
+            self.on_line(line_outcome(line))
 
     def _fail(self, journal: BatchJournal, errors: list[dict[str, Any]]) -> BatchRecord:
         journal.record.errors = errors

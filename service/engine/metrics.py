@@ -146,6 +146,12 @@ METRICS: tuple[MetricSpec, ...] = (
                "Tokens generated for each tenant, counted as they are generated.", ("tenant",)),
     MetricSpec("tenant_ttft", "qkv_tenant_time_to_first_token_seconds", "histogram",
                "Time to first token of each tenant's finished requests.", ("tenant",), _LATENCY_BUCKETS),
+    MetricSpec("batches", "qkv_batches", "gauge",
+               "Batches of the Batch API by status, as the replica's `batch_dir` holds them (replicas that share "
+               "the directory report the same counts: take the max across them, not the sum).", ("status",)),
+    MetricSpec("batch_lines", "qkv_batch_lines_total", "counter",
+               "Batch requests this replica recorded, by outcome: completed (answered 200), failed (the "
+               "endpoint's error), expired (not run before the batch's window ended).", ("outcome",)),
     MetricSpec("http_responses", "qkv_http_responses_total", "counter",
                "HTTP responses of the replica's edge, by route (the app's route template; unmatched paths: "
                "`other`) and status code; a stream counts once, with the status it started with. Answers "
@@ -240,6 +246,15 @@ class EngineMetrics:
     def observe_response(self, route: str, status: int) -> None:
         """The HTTP edge started a response (service/server/api.py: `ResponseCounter`)."""
         self.http_responses.inc(1, tags={"route": route, "status_code": str(status)})
+
+    def observe_batch_line(self, outcome: str) -> None:
+        """The Batch API recorded one request's answer (service/batch/runner.py: `line_outcome`)."""
+        self.batch_lines.inc(1, tags={"outcome": outcome})
+
+    def set_batches(self, counts: dict[str, int]) -> None:
+        """The batches of the replica's `batch_dir` by status (service/batch/api.py's `BatchLoop`)."""
+        for status, count in counts.items():
+            self.batches.set(count, tags={"status": status})
 
     def observe_abort(self, num_prompt_tokens: int) -> None:
         """A request whose caller went away: its final output is never read, so count it here."""

@@ -132,7 +132,7 @@ class EngineReplica:
 
     def _build_edge(self) -> Any:
         return build_api(self._serving, self._host.healthy, self._settings, self._host.metrics.observe_response,
-                         created=self._created)
+                         created=self._created, batch_metrics=self._host.metrics)
 
     async def forward(self, route: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """One HTTP request from the multi-model front (service/app/multi.py), answered by this

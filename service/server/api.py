@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
@@ -95,7 +95,16 @@ def add_key_check(app: FastAPI, lookup: Lookup, precheck: Callable[[Any], APIErr
                        error_shapes=(error_response, anthropic_error_response), precheck=precheck)
 
 
-def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSettings) -> None:
+class BatchMetrics(Protocol):
+    """Where the batch service reports (service/engine/metrics.py's EngineMetrics)."""
+
+    def observe_batch_line(self, outcome: str) -> None: ...
+
+    def set_batches(self, counts: dict[str, int]) -> None: ...
+
+
+def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSettings,
+                      metrics: BatchMetrics | None = None) -> None:
     """The Files and Batch APIs over `settings.batch_dir`, and the loop that runs its batches here,
     each request through `app`'s own route at the lowest priority (under priority scheduling)."""
     table = KeyTable(settings.api_keys_file) if settings.api_keys_file else None
@@ -106,8 +115,9 @@ def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSet
     files = FileStore(settings.batch_dir, settings.batch_max_file_bytes, settings.batch_max_lines)
     send = in_process_send(app, tenant, LOWEST_PRIORITY if getattr(serving, "priority_scheduling", False) else None,
                            busy=lambda: serving.num_waiting() > 0)
-    runner = BatchRunner(settings.batch_dir, files, send, settings.batch_concurrency)
-    loop = BatchLoop(runner)
+    runner = BatchRunner(settings.batch_dir, files, send, settings.batch_concurrency,
+                         on_line=metrics.observe_batch_line if metrics is not None else None)
+    loop = BatchLoop(runner, on_statuses=metrics.set_batches if metrics is not None else None)
     add_batch_routes(app, runner, loop)
     app.router.on_startup.append(loop.ensure)  # resume what a stopped replica left, without waiting for a request
 
@@ -323,9 +333,10 @@ def model_cards(serving: OpenAIServing, created: int) -> list[dict[str, Any]]:
 def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: IngressSettings,
               on_response: Callable[[str, int], None] | None = None,
               app_cards: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
-              created: int | None = None) -> FastAPI:
+              created: int | None = None, batch_metrics: BatchMetrics | None = None) -> FastAPI:
     """The FastAPI app over `serving`; `healthy()` answers /health (the local engine's state);
     `on_response(route, status)` is called as each response starts (`ResponseCounter`);
+    `batch_metrics`: where the batch service (`settings.batch_dir`) reports;
     `app_cards()`: every model's `/v1/models` cards where this replica serves one model of several
     (service/app/multi.py; None: its own model's cards); `created`: the cards' time."""
     app = FastAPI(title="qkv-serve", docs_url=None, redoc_url=None)
@@ -412,7 +423,7 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
     add_messages_routes(app, serving, limit, read_model, respond)
     add_responses_routes(app, serving, limit, read_model, respond)
     if settings.batch_dir is not None:
-        add_batch_service(app, serving, settings)
+        add_batch_service(app, serving, settings, batch_metrics)
 
     lookup = key_lookup(settings)
     if lookup is not None:

@@ -11,9 +11,12 @@ from collections import Counter
 
 import pytest
 
+from service.batch.api import BatchLoop
+from service.batch.batches import STATUSES, BatchJournal
 from service.batch.files import FileStore
 from service.batch.runner import BatchRunner
 from service.errors import APIError
+from tests.support.polling import wait_until_async
 
 CHAT = "/v1/chat/completions"
 
@@ -58,8 +61,8 @@ def lines_of(files: FileStore, file_id: str | None, owner: str | None = None) ->
 
 
 def test_a_batch_runs_to_completed_with_its_output_and_error_files(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
-    runner = BatchRunner(tmp_path, files, endpoint)
+    files, endpoint, outcomes = FileStore(tmp_path), Endpoint(), Counter()
+    runner = BatchRunner(tmp_path, files, endpoint, on_line=lambda o: outcomes.update([o]))
     file_id = upload(files, request_line("a"), request_line("bad", max_tokens=0), request_line("c"))
     batch = runner.create(file_id, CHAT, "24h", {"job": "t"}, None)
     assert runner.pending() == [batch.id]
@@ -75,6 +78,7 @@ def test_a_batch_runs_to_completed_with_its_output_and_error_files(tmp_path) -> 
     assert error["response"]["body"]["error"]["param"] == "max_tokens"
     assert files.get(done["output_file_id"], None).purpose == "batch_output"
     assert runner.pending() == [] and endpoint.sent == Counter({"a": 1, "bad": 1, "c": 1})
+    assert outcomes == Counter({"completed": 2, "failed": 1})  # what qkv_batch_lines_total counts
 
 
 def test_a_file_with_a_wrong_structure_fails_the_batch_and_sends_nothing(tmp_path) -> None:
@@ -135,9 +139,9 @@ def test_cancelling_ends_the_batch_with_the_answers_so_far(tmp_path) -> None:
 
 
 def test_an_expired_batch_gives_each_request_not_run_an_expired_error(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
+    files, endpoint, outcomes = FileStore(tmp_path), Endpoint(), Counter()
     now = [1_000_000.0]
-    runner = BatchRunner(tmp_path, files, endpoint, clock=lambda: now[0])
+    runner = BatchRunner(tmp_path, files, endpoint, clock=lambda: now[0], on_line=lambda o: outcomes.update([o]))
     batch = runner.create(upload(files, request_line("a"), request_line("b")), CHAT, "24h", None, None)
     now[0] = batch.expires_at + 1.0
     done = asyncio.run(runner.run(batch.id)).to_openai()
@@ -145,6 +149,7 @@ def test_an_expired_batch_gives_each_request_not_run_an_expired_error(tmp_path) 
     errors = lines_of(files, done["error_file_id"])
     assert [(x["custom_id"], x["error"]["code"], x["response"]) for x in errors] == [("a", "batch_expired", None),
                                                                                    ("b", "batch_expired", None)]
+    assert outcomes == Counter({"expired": 2})
 
 
 def test_a_tenant_sees_and_cancels_only_its_own_batches(tmp_path) -> None:
@@ -212,3 +217,33 @@ def test_a_batch_cancelled_before_it_runs_ends_without_sending_anything(tmp_path
     assert runner.get(batch_id, None).status == "cancelling"  # written at once: nobody was running it
     done = asyncio.run(runner.run(batch_id))
     assert done.status == "cancelled" and not endpoint.sent and done.output_file_id is None
+
+
+def test_the_batches_are_counted_by_status_every_status_named(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    runner = BatchRunner(tmp_path, files, endpoint)
+    first = runner.create(upload(files, request_line("a")), CHAT, "24h", None, None)
+    runner.create(upload(files, request_line("b"), owner="tenant-b"), CHAT, "24h", None, "tenant-b")  # every owner's
+    asyncio.run(runner.run(first.id))
+    counts = BatchJournal.status_counts(tmp_path)
+    assert set(counts) == set(STATUSES)  # a status no batch has is 0, so its gauge falls back
+    assert counts["completed"] == 1 and counts["validating"] == 1 and sum(counts.values()) == 2
+
+
+def test_the_loop_reports_the_statuses_while_it_runs_a_batch(tmp_path) -> None:
+    files, endpoint = FileStore(tmp_path), Endpoint()
+    endpoint.gate = asyncio.Event()  # the batch's requests wait: the loop is busy running it
+    runner = BatchRunner(tmp_path, files, endpoint)
+    runner.create(upload(files, request_line("a"), request_line("b")), CHAT, "24h", None, None)
+    reports: list[dict[str, int]] = []
+
+    async def scenario() -> None:
+        loop = BatchLoop(runner, on_statuses=reports.append, status_every_s=0.02)
+        loop.ensure()
+        await wait_until_async(lambda: endpoint.arrived >= 1 and any(r["in_progress"] == 1 for r in reports), 30,
+                               "an in_progress report while the batch's requests wait")
+        endpoint.gate.set()
+        await wait_until_async(lambda: any(r["completed"] == 1 for r in reports), 30, "a completed report")
+
+    asyncio.run(scenario())
+    assert all(sum(r.values()) == 1 for r in reports)
