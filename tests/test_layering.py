@@ -56,6 +56,7 @@ SERVICE_LAYERS: dict[str, set[str]] = {
     "openai": {"errors", "tools", "engine", "tenancy", "http"},
     "anthropic": {"errors", "tools", "engine", "tenancy", "http", "openai"},
     "explorer": {"errors", "engine", "http", "openai"},
+    "offline": {"errors", "openai"},  # the Ray Data processor renders chat as the OpenAI family does
     "server": {"errors", "tools", "engine", "tenancy", "http", "openai", "anthropic", "explorer", "batch"},
     "host": {"engine", "autoscaling"},
     "replica": {"errors", "autoscaling", "engine", "tenancy", "http", "openai", "server", "host"},
