@@ -174,10 +174,11 @@ class AppArgs(BaseModel):
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
         "auto", description="Whether `<think>` text is split into reasoning_content: auto: for chat templates "
                             "that think; none: never.")
-    batch_dir: str | None = Field(None, description="A directory for OpenAI's Files and Batch APIs (`/v1/files`, "
-                                  "`/v1/batches`): uploads, batches and their results live there and survive a "
-                                  "restart; the replicas of a node share it, and run its batches at the lowest "
-                                  "priority beside interactive requests. None: those APIs are not served (404).")
+    batch_dir: str | None = Field(None, description="A directory (a path or a file:// URI) for OpenAI's Files and "
+                                  "Batch APIs (`/v1/files`, `/v1/batches`): uploads, batches and their results live "
+                                  "there and survive a restart; the replicas that share it (a node's, or several "
+                                  "nodes' over a shared mount) run its batches at the lowest priority beside "
+                                  "interactive requests. None: those APIs are not served (404).")
     batch_max_file_bytes: int = Field(200 << 20, ge=1, description="The largest file `/v1/files` accepts; 413 past "
                                       "it.")
     batch_max_lines: int = Field(50_000, ge=1, description="The most requests (non-empty lines) of one batch input "
@@ -266,6 +267,20 @@ class AppArgs(BaseModel):
         if value and not os.path.isdir(value):  # checked here, not in every replica
             raise ValueError(f"allowed_local_media_path must be an existing directory, got {value!r}")
         return value
+
+    @field_validator("batch_dir")
+    @classmethod
+    def _batch_dir_is_local(cls, value: str | None) -> str | None:
+        """A local path or a `file://` URI, made absolute here: a replica's working directory is
+        not the caller's. A shared mount (NFS) serves the replicas of several nodes; an object
+        store is refused rather than taken for a folder named after it."""
+        if not value:
+            return value
+        scheme, sep, rest = value.partition("://")
+        if sep and scheme != "file":
+            raise ValueError(f"batch_dir {value!r}: an object store ({scheme}://) is not supported; give a local path "
+                             "or a file:// URI (a shared mount such as NFS serves the replicas of several nodes)")
+        return os.path.abspath(os.path.expanduser(rest if sep else value))
 
     @field_validator("pipeline_parallel_size")
     @classmethod
