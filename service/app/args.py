@@ -129,6 +129,10 @@ class AppArgs(BaseModel):
     routing_tier_imbalance_threshold: int = Field(1, ge=0, description="The same allowance when the shared KV tier "
                                                   "(`kv_share_dir`) holds all the replica holds of the prefix: "
                                                   "any replica then loads it instead of recomputing.")
+    kv_cache_index: bool = Field(False, description="With prefix-aware routing: the engines publish their KV "
+                                 "cache events (blocks stored, evicted) to one index of the app, and the router "
+                                 "sends a request to the replica the index says holds the longest run of its "
+                                 "prompt, instead of the one it last sent that prefix to.")
     # admission: each engine replica's own gate (service/engine/admission.py)
     max_ongoing_requests: int | None = Field(None, ge=1, description="Requests in flight in one engine replica; "
                                              "None: max_num_seqs plus a quarter of it (at least 4), so nothing "
@@ -211,6 +215,8 @@ class AppArgs(BaseModel):
             raise ValueError("api_keys_file serves one model per app for now; leave out models, or use api_key")
         if self.api_keys_file:
             KeyTable(self.api_keys_file)  # a missing or invalid file fails here, not in every replica
+        if self.kv_cache_index and self.models is not None:
+            raise ValueError("kv_cache_index serves one model per app for now; leave out models")
         if self.batch_dir and self.models is not None:  # any replica may run any batch of the directory
             raise ValueError("batch_dir serves one model per app for now; leave out models")
         return self

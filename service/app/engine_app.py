@@ -24,6 +24,7 @@ from service.autoscaling import serve_autoscaling_config
 from service.launch import haproxy_enabled
 from service.replica.engine_deployment import EngineBackend, EngineDeployment, PrefillDeployment
 from service.replica.placement import engine_device, replica_resources, warn_if_unplaceable
+from service.routing.kv_index_deployment import KVIndexDeployment
 from service.routing.prefix_route import PrefixRoute
 from service.server.api import API_KEY_ENV, IngressSettings
 from service.tenancy.ledger import QuotaLedgerDeployment
@@ -80,6 +81,10 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
                  "prefill_min_tokens": args.prefill_min_tokens, "prefill_timeout_s": args.prefill_timeout_s}
     if args.api_keys_file and "quotas" not in init:  # the tenants' counts, one ledger for every replica
         init["quotas"] = QuotaLedgerDeployment.bind()
+    kv_index = KVIndexDeployment.bind() if prefix_router and args.kv_cache_index and not deployment_name else None
+    if kv_index is not None:  # the engines publish what their caches hold; the prefix route asks it
+        # (events only where they are drained: a log nobody reads would grow without end)
+        init |= {"kv_index": kv_index, "engine_config": init["engine_config"] | {"enable_kv_cache_events": True}}
     engine = (EngineBackend.options(name=deployment_name) if deployment_name else EngineDeployment).options(
         **options, **(router_options(args) if prefix_router else {}),
     ).bind(**init)
@@ -92,7 +97,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     if not prefix_router or deployment_name:
         return engine
     router = PrefixRoute.options(ray_actor_options={"num_cpus": args.router_num_cpus})
-    return engine._with_ingress_request_router(router.bind(engine))
+    return engine._with_ingress_request_router(router.bind(engine, kv_index=kv_index))
 
 
 def engine_options(args: AppArgs) -> dict[str, Any]:

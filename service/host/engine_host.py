@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from model.engine.sequence import RequestOutput
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 STALL_POLL_S = 1.0  # how often the replica checks whether its engine is stalled
 ENGINE_CHECK_TIMEOUT_S = 20.0  # under Serve's health_check_timeout_s: the engine's own check (its workers)
 GAUGE_REFRESH_S = 2.0  # well under the ~20 s after which Ray stops exporting an unset gauge
+KV_PUBLISH_S = 0.25  # how often the engine's KV events (or a heartbeat) go to the cluster's KV index
 
 
 class EngineStream:
@@ -227,6 +229,27 @@ class EngineHost:
             except Exception:  # a metrics hiccup must not stop the refresher
                 logger.exception("could not refresh the engine gauges")
             await asyncio.sleep(GAUGE_REFRESH_S)
+
+    def publish_kv_events(self, send: Callable[[list[Any]], Awaitable[Any]], interval_s: float = KV_PUBLISH_S) -> None:
+        """Every `interval_s`, the engine's KV events since the last time (`Engine.drain_kv_events`,
+        taken between steps) go to `send` as a list of batches; an empty list is the heartbeat that
+        keeps this replica in the index. A failed send is logged and its events dropped: the index
+        then misses some blocks (a routing miss costs a prefill, never a wrong token)."""
+        self._tasks.append(asyncio.get_running_loop().create_task(self._publish_kv_events(send, interval_s)))
+
+    async def _publish_kv_events(self, send: Callable[[list[Any]], Awaitable[Any]], interval_s: float) -> None:
+        failures = 0
+        while True:
+            try:
+                batch = await self.loop.run_between_steps(self.engine.drain_kv_events)
+                await send([batch] if batch is not None else [])
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 (the index is a routing hint: serving goes on)
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("could not publish KV events to the index (%d in a row): %s: %s", failures,
+                                   type(exc).__name__, exc)
+            await asyncio.sleep(interval_s)
 
     def autoscaling_stats(self) -> dict[str, float]:
         """What the TTFT autoscaling policy reads (service/autoscaling.py): requests waiting and

@@ -76,11 +76,14 @@ class EngineReplica:
         prefill_timeout_s: float = 60.0,
         quotas: Any = None,
         ttft_window_s: float = TTFT_WINDOW_S,
+        kv_index: Any = None,
     ) -> None:
         """`prefill`: a handle to the `Prefill` deployment (prefill/decode disaggregation): prompts
         of at least `prefill_min_tokens` tokens are prefilled there, each call given up (and the
         prompt prefilled here) after `prefill_timeout_s`.
-        `quotas`: a handle to the app's `QuotaLedgerDeployment` (with a keys file)."""
+        `quotas`: a handle to the app's `QuotaLedgerDeployment` (with a keys file).
+        `kv_index`: a handle to the app's `KVIndex` deployment (`kv_cache_index`): this replica's KV
+        events go there, under its replica id, with how its engine hashes prompts."""
         from model.engine.builder import build_engine  # heavy import; keeps this module importable without it
 
         if torch_threads:
@@ -100,6 +103,10 @@ class EngineReplica:
         self._host.recent_ttft = TTFTWindow(ttft_window_s)
         if prefill is not None:
             self._host.prefill = RemotePrefill(prefill, self._host, prefill_min_tokens, prefill_timeout_s)
+        if kv_index is not None:
+            replica_id = serve.get_replica_context().replica_id.unique_id
+            layout = (engine.runtime.block_size, engine.prefix_salt.hex())
+            self._host.publish_kv_events(lambda batches: kv_index.publish.remote(replica_id, batches, layout))
         self._connector = RayObjectStoreConnector()  # a prefill replica's side of a transfer
         # The key may be set only where the replicas run (a cluster's environment).
         settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}

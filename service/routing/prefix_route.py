@@ -21,6 +21,7 @@ unknown `model` or an unreadable body to any replica, whose edge answers the 404
 # No `from __future__ import annotations`: FastAPI must see `Request` as a class in the routes.
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from typing import Any
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # How long a pick may wait for a replica of the model (HAProxy gives the router 5 s by default).
 PICK_TIMEOUT_S = 4.0
+# The longest the KV index may take to say who holds a prompt (the pick's own budget is PICK_TIMEOUT_S).
+INDEX_TIMEOUT_S = 0.25
 # How many of the latest picks `recent_picks` keeps.
 PICKS_KEPT = 1000
 
@@ -51,11 +54,14 @@ class PrefixRoute:
     """Answers HAProxy's `/internal/route` with the engine replica to send a request to."""
 
     async def __init__(self, engine: Any, models: list[ServedModel] | None = None,
-                       by_prefix: list[str] | None = None) -> None:
+                       by_prefix: list[str] | None = None, kv_index: Any = None) -> None:
         """`models`: a multi-model deployment's served models, in the app's order (None: one model);
         `by_prefix`: those of them whose requests are routed by prompt prefix (tokenized here); the
-        others by adapter and load."""
+        others by adapter and load. `kv_index`: a handle to the app's `KVIndex` deployment, asked
+        which replicas hold each prompt's leading blocks (None: the router's own record)."""
         self._engine = engine
+        self._kv_index = kv_index
+        self.index_misses = 0  # lookups that failed or timed out (routed without the index)
         self._names = ModelNames(models) if models else None
         self._serving: dict[str | None, OpenAIServing] = {}  # tokenizer and chat template, per model routed by prefix
         if self._names is None:
@@ -89,6 +95,8 @@ class PrefixRoute:
     async def route(self, request: Request) -> Any:
         body = await request.body()
         argument = self.routing_argument(body)
+        if argument is not None and self._kv_index is not None and argument.prompt_token_ids:
+            argument = dataclasses.replace(argument, held=await self._held(argument))  # picked_by: the same list
         args = (argument,) if argument is not None else ()
 
         async def pick() -> tuple[tuple[str, int] | None, str]:
@@ -111,6 +119,18 @@ class PrefixRoute:
         host, port = endpoint
         self.routed += 1
         return {"host": host, "port": port, "replica_id": replica_id}
+
+    async def _held(self, argument: RoutingPrompt) -> dict[str, int] | None:
+        """The KV index's answer for the prompt, or None when it does not answer within
+        INDEX_TIMEOUT_S (starting, restarting, overloaded): routed as without an index."""
+        try:
+            return await asyncio.wait_for(self._kv_index.lookup.remote(argument.prompt_token_ids, argument.lora),
+                                          INDEX_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 (a routing hint: the request goes on without it)
+            self.index_misses += 1
+            if self.index_misses in (1, 10) or self.index_misses % 1000 == 0:
+                logger.warning("the KV index did not answer (%d times): %s", self.index_misses, type(exc).__name__)
+            return None
 
     @route_api.get("/health")
     async def health(self) -> Any:

@@ -35,9 +35,13 @@ of recomputing, so leaving the holder costs only what it holds beyond the tier, 
 kept only within `tier_imbalance_threshold` more requests than the least busy replica. The router
 must run on the replicas' node to see the files (elsewhere it sees none and routes as without).
 
-What it knows is what it routed, not what the engines still hold: an engine may have evicted a
-block since, and several router replicas each learn on their own. Both only cost hit rate (and an
-adapter load), never correctness.
+With the cluster's KV index (`kv_cache_index`, service/routing/kv_index.py), the prefix route asks
+the index which replicas hold the prompt's leading blocks and passes its answer in the routing
+argument (`RoutingPrompt.held`): the router then goes by what the engines say they hold (evictions,
+blocks computed for requests it did not route, a replica that died) instead of by what it routed.
+Without it, what it knows is what it routed, not what the engines still hold: an engine may have
+evicted a block since, and several router replicas each learn on their own. Both only cost hit
+rate (and an adapter load), never correctness.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class RoutingPrompt:
     lora: str | None = None
     model: str | None = None
     picked_by: list[str] = field(default_factory=list, compare=False)
+    # What the cluster's KV index says the replicas hold (service/routing/kv_index.py): replica
+    # unique id -> leading full blocks of the prompt it holds. None: not asked (no index, or it
+    # did not answer in time); the router then goes by what it routed itself.
+    held: dict[str, int] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ class _Route:
     pick_only: bool = False  # a `RoutingPrompt`: nothing is dispatched, no on_request_routed follows
     model: str | None = None  # only replicas serving this model may take it; None: any
     picked_by: list[str] | None = None  # a pick-only call's out-list: why the router picked
+    held: dict[str, int] | None = None  # the KV index's answer (`RoutingPrompt.held`)
 
 
 def replica_model(replica: RunningReplica) -> str | None:
@@ -103,8 +112,10 @@ def _route(pending_request: PendingRequest | None) -> _Route:
     if not isinstance(first, list) and hasattr(first, "prompt_token_ids"):
         prompt = first.prompt_token_ids
         picked_by = getattr(first, "picked_by", None)
+        held = getattr(first, "held", None)
         return _Route(prompt if isinstance(prompt, list) else None, getattr(first, "lora", None), True,
-                      getattr(first, "model", None), picked_by if isinstance(picked_by, list) else None)
+                      getattr(first, "model", None), picked_by if isinstance(picked_by, list) else None,
+                      held if isinstance(held, dict) else None)
     if not isinstance(first, list) and isinstance(getattr(first, "model", None), str):  # a `ToModel`
         return _Route(model=first.model)
     if isinstance(first, list) and first:  # generate(list[SubRequest]): the choices share the prompt
@@ -201,6 +212,15 @@ class PrefixAwareRouter(RequestRouter):
             holder, run = candidates[owner], run + 1
         return holder, run
 
+    def _indexed_holder(self, held: dict[str, int], candidates: list[RunningReplica]
+                        ) -> tuple[RunningReplica | None, int]:
+        """The candidate the KV index says holds the longest run of the prompt's leading blocks
+        (the least busy of those tied), and its length in blocks."""
+        best = max((held.get(r.replica_id.unique_id, 0) for r in candidates), default=0)
+        if best == 0:
+            return None, 0
+        return min((r for r in candidates if held.get(r.replica_id.unique_id, 0) == best), key=self._load), best
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         route = _route(pending_request)
@@ -213,7 +233,8 @@ class PrefixAwareRouter(RequestRouter):
         ranks: list[list[RunningReplica]] | None = None
         why = "load"
         if hashes:
-            holder, run = self._holder(hashes, {r.replica_id: r for r in candidate_replicas})
+            holder, run = (self._indexed_holder(route.held, candidate_replicas) if route.held is not None
+                           else self._holder(hashes, {r.replica_id: r for r in candidate_replicas}))
             # Leaving the holder recomputes what it holds beyond the shared tier, or only loads it.
             usable = min(run, (len(route.prompt or ()) - 1) // self._block_size_of(route))  # the last token is computed
             allowance = self._imbalance if holder is None or usable > self._tier_run(route, candidate_replicas) \

@@ -239,3 +239,35 @@ def test_a_call_that_names_a_model_goes_to_that_models_replicas_only() -> None:
                 for x in rank} <= {"a1", "a2", "b1", "b2"}  # no model named: any replica
 
     asyncio.run(scenario())
+
+
+def test_with_the_kv_index_answer_the_router_goes_by_what_the_engines_hold() -> None:
+    """`RoutingPrompt.held` (the KV index's answer, service/routing/prefix_route.py): the replica
+    that holds the longest run wins, though this router sent the prefix elsewhere; an empty answer
+    (evicted everywhere) is a pick by load, not by the router's stale record; a holder past the
+    imbalance threshold is left."""
+    from service.routing.router import RoutingPrompt
+
+    async def scenario() -> None:
+        r = router(imbalance_threshold=2)
+        a, b, c = reps = replicas("a", "b", "c")
+
+        async def choose(prompt: list[int], held: dict[str, int] | None) -> tuple[str, str]:
+            argument = RoutingPrompt(prompt, held=held)
+            ranks = await r.choose_replicas(reps, SimpleNamespace(args=[argument], kwargs={},
+                                                                  metadata=SimpleNamespace(internal_request_id="x")))
+            return argument.picked_by[0], ranks[0][0].replica_id.unique_id
+
+        why, first = await choose(PREFIX, None)  # no index: by load, remembered as the prefix's owner
+        assert why == "load"
+        assert await choose(PREFIX, None) == ("prefix", first)
+        other = next(x for x in "abc" if x != first)
+        assert await choose(PREFIX, {other: 10, first: 2}) == ("prefix", other)  # the engines, not the record
+        assert (await choose(PREFIX, {}))[0] == "load"  # nobody holds it any more
+        assert await choose(PREFIX, {"a": 6, "c": 6}) in (("prefix", "a"), ("prefix", "c"))  # tied: either
+        c.routing_stats = {"num_requests": 1}
+        assert await choose(PREFIX, {"a": 6, "c": 6}) == ("prefix", "a")  # tied: the less busy
+        a.routing_stats = {"num_requests": 5}  # 5 above b (threshold 2): the holder is left
+        assert (await choose(PREFIX, {"a": 9}))[0] == "load"
+
+    asyncio.run(scenario())

@@ -1,0 +1,56 @@
+"""An engine replica's KV events reaching the cluster's KV index (`EngineHost.publish_kv_events`,
+service/host/engine_host.py): a real engine with events on, on its step thread, publishing to a
+`KVIndex` in this process as the `KVIndex` deployment would receive them; the index then finds
+the prompt the engine computed, hashed as the engine hashes it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from model.config import EngineConfig
+from model.engine.builder import build_engine
+from model.sampling.params import SamplingParams
+from service.engine.engine_loop import SubRequest
+from service.host.engine_host import EngineHost
+from service.routing.kv_index import KVIndex
+from tests.support.in_process import NullMetrics
+from tests.support.local_serve import write_tiny_checkpoint
+from tests.support.polling import wait_until_async
+
+BLOCK = 16
+
+
+def test_the_engines_events_reach_the_index_and_it_finds_the_prompt(tmp_path) -> None:
+    model = write_tiny_checkpoint(tmp_path / "tiny")
+    engine = build_engine(str(model), EngineConfig(block_size=BLOCK, num_kv_blocks=64, enable_kv_cache_events=True),
+                          device="cpu")
+    index = KVIndex()
+    layout = (BLOCK, engine.prefix_salt.hex())
+    sent: list[list[Any]] = []
+
+    async def publish(batches: list[Any]) -> None:
+        sent.append(batches)
+        index.publish("replica-1", batches, layout)
+
+    prompt = list(range(3, 3 + 3 * BLOCK + 5))  # three full blocks and a partial one
+
+    async def run() -> None:
+        host = EngineHost(engine, "tiny", metrics=NullMetrics())
+        try:
+            host.publish_kv_events(publish, interval_s=0.01)
+            await wait_until_async(lambda: len(sent) >= 2, 30, "heartbeats before any request")
+            assert index.lookup(prompt) == {}
+            stream = host.generate([SubRequest("r1", prompt, SamplingParams(max_tokens=2, temperature=0))])
+            async for outputs in stream:
+                if any(o.finished for o in outputs):
+                    break
+            await wait_until_async(lambda: index.lookup(prompt).get("replica-1") == 3, 30,
+                                   "the index to hold the prompt's three full blocks")
+            assert index.lookup(prompt[:BLOCK] + [1] * 40) == {"replica-1": 1}  # only the first block shared
+        finally:
+            host.stop()
+
+    asyncio.run(run())
+    assert any(not batches for batches in sent)  # heartbeats: empty lists
+    assert sum(len(b.events) for batches in sent for b in batches) >= 1
