@@ -81,7 +81,7 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
                  "prefill_min_tokens": args.prefill_min_tokens, "prefill_timeout_s": args.prefill_timeout_s}
     if args.api_keys_file and "quotas" not in init:  # the tenants' counts, one ledger for every replica
         init["quotas"] = QuotaLedgerDeployment.bind()
-    kv_index = KVIndexDeployment.bind() if prefix_router and args.kv_cache_index and not deployment_name else None
+    kv_index = KVIndexDeployment.bind(args.resolved_name()) if prefix_router and args.kv_cache_index and not deployment_name else None
     if kv_index is not None:  # the engines publish what their caches hold; the prefix route asks it
         # (events only where they are drained: a log nobody reads would grow without end)
         init |= {"kv_index": kv_index, "engine_config": init["engine_config"] | {"enable_kv_cache_events": True}}

@@ -93,6 +93,13 @@ METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens looked up in the prefix cache."),
     MetricSpec("prefix_hits", "qkv_prefix_cache_hits_total", "counter",
                "Prompt tokens found in the prefix cache (their K/V not recomputed)."),
+    MetricSpec("kv_events", "qkv_kv_events_published_total", "counter",
+               "KV cache events (blocks stored, removed, cleared) this replica sent to the app's KV index "
+               "(`kv_cache_index`)."),
+    MetricSpec("kv_index_blocks", "qkv_kv_index_blocks", "gauge",
+               "Block hashes the app's KV index holds (reported by the KVIndex deployment, `kv_cache_index`)."),
+    MetricSpec("kv_index_replicas", "qkv_kv_index_replicas", "gauge",
+               "Engine replicas the app's KV index has heard from within its ttl (the KVIndex deployment)."),
     *tier_metrics("offload", "the offload tier"),
     *tier_metrics("share", "the shared tier (kv_share_dir)"),
     MetricSpec("transfers", "qkv_kv_transfers_total", "counter",
@@ -246,6 +253,11 @@ class EngineMetrics:
     def observe_response(self, route: str, status: int) -> None:
         """The HTTP edge started a response (service/server/api.py: `ResponseCounter`)."""
         self.http_responses.inc(1, tags={"route": route, "status_code": str(status)})
+
+    def observe_kv_events(self, count: int) -> None:
+        """KV events sent to the app's KV index (service/host/engine_host.py's publisher)."""
+        if count:
+            self.kv_events.inc(count)
 
     def observe_batch_line(self, outcome: str) -> None:
         """The Batch API recorded one request's answer (service/batch/runner.py: `line_outcome`)."""

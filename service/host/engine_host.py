@@ -244,6 +244,8 @@ class EngineHost:
                 batch = await self.loop.run_between_steps(self.engine.drain_kv_events)
                 await send([batch] if batch is not None else [])
                 failures = 0
+                if batch is not None and hasattr(self.metrics, "observe_kv_events"):
+                    self.metrics.observe_kv_events(len(batch.events))
             except Exception as exc:  # noqa: BLE001 (the index is a routing hint: serving goes on)
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:

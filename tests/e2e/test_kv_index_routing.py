@@ -1,6 +1,6 @@
 """The cluster's KV index on real Ray Serve behind HAProxy, two engine replicas (`kv_cache_index`):
-the engines publish their KV events to the app's `KVIndex` deployment, and the prefix router goes
-by what the index says they hold. A prompt computed on one replica by a request sent to it
+the engines publish their KV events to the app's `KVIndex` deployment (counted on Ray's metrics
+endpoint), and the prefix router goes by what the index says they hold. A prompt computed on one replica by a request sent to it
 directly (the router never routed it, so its own record knows nothing of it) draws the requests
 that share its prefix to that replica; a replica killed is forgotten by the index."""
 
@@ -13,12 +13,13 @@ import ray
 import requests
 
 from tests.support.local_serve import local_service
-from tests.support.serve_fixtures import engine_replica_ids, engine_replica_ports, router_picks, wait_until, \
-    write_tiny_model
+from tests.support.serve_fixtures import engine_replica_ids, engine_replica_ports, metric_sum, router_picks, scrape, \
+    wait_until, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
-HTTP_PORT = 18600
+HTTP_PORT, METRICS_PORT = 18600, 18601
+METRICS_URL = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 SYSTEM = ("You are the helpful assistant of a bakery. Answer questions about bread, opening hours and "
           "prices in one short sentence, politely, and never invent a product we do not sell. ")
 
@@ -28,7 +29,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     args = {"model": str(model), "num_replicas": 2, "max_num_seqs": 8, "block_size": 16, "engine_num_cpus": 0.5,
             "router_num_cpus": 0.25, "torch_threads": 1, "kv_cache_index": True}
-    with local_service(args, HTTP_PORT, num_cpus=2) as base:
+    with local_service(args, HTTP_PORT, num_cpus=2, metrics_port=METRICS_PORT) as base:
         from ray import serve
 
         router = serve.get_deployment_handle("PrefixRoute", app_name="qkv")
@@ -61,6 +62,10 @@ def test_a_prefix_computed_behind_the_routers_back_draws_its_requests(url: str) 
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     held = wait_until(lambda: (h := index_held()) and any(h.values()) and h, 30, "the index to learn the blocks")
     [holder] = [r for r, n in held.items() if n > 0]
+    # Ray's metrics endpoint: the events the holder sent, the index's size.
+    wait_until(lambda: metric_sum(scrape(METRICS_URL), "ray_qkv_kv_events_published_total", replica=holder) > 0
+               and metric_sum(scrape(METRICS_URL), "ray_qkv_kv_index_blocks") >= held[holder], 60,
+               "the KV events and the index's size on Ray's metrics endpoint")
     before = len(router_picks())
     usages = [complete(url, f"{SYSTEM}Question {i}: when do you open?")["usage"] for i in range(1, 5)]
     picks = router_picks()[before:]
