@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from model.engine.kv.events import AllBlocksCleared, KVEventBatch
 from model.engine.sequence import RequestOutput
 from service.autoscaling import TTFTWindow, replica_stats
 from service.engine.engine_loop import EngineFailure, EngineLoop, Sink, SubRequest, TorchThread
@@ -25,6 +27,7 @@ STALL_POLL_S = 1.0  # how often the replica checks whether its engine is stalled
 ENGINE_CHECK_TIMEOUT_S = 20.0  # under Serve's health_check_timeout_s: the engine's own check (its workers)
 GAUGE_REFRESH_S = 2.0  # well under the ~20 s after which Ray stops exporting an unset gauge
 KV_PUBLISH_S = 0.25  # how often the engine's KV events (or a heartbeat) go to the cluster's KV index
+KV_UNSENT_MAX = 400  # event batches kept for a resend while the index does not answer (100 s at KV_PUBLISH_S)
 
 
 class EngineStream:
@@ -232,20 +235,28 @@ class EngineHost:
 
     def publish_kv_events(self, send: Callable[[list[Any]], Awaitable[Any]], interval_s: float = KV_PUBLISH_S) -> None:
         """Every `interval_s`, the engine's KV events since the last time (`Engine.drain_kv_events`,
-        taken between steps) go to `send` as a list of batches; an empty list is the heartbeat that
-        keeps this replica in the index. A failed send is logged and its events dropped: the index
-        then misses some blocks (a routing miss costs a prefill, never a wrong token)."""
+        taken between steps) go to `send` as a list of batches, in order; an empty list is the
+        heartbeat that keeps this replica in the index. Batches a failed send did not deliver go
+        again with the next (replaying stores and removals in order leaves the index as it would
+        be); past KV_UNSENT_MAX of them they are replaced by one AllBlocksCleared, so the index
+        forgets this replica's blocks rather than keep a stale picture (a miss costs a prefill,
+        a wrong holder only a detour)."""
         self._tasks.append(asyncio.get_running_loop().create_task(self._publish_kv_events(send, interval_s)))
 
     async def _publish_kv_events(self, send: Callable[[list[Any]], Awaitable[Any]], interval_s: float) -> None:
+        unsent: list[KVEventBatch] = []
         failures = 0
         while True:
             try:
                 batch = await self.loop.run_between_steps(self.engine.drain_kv_events)
-                await send([batch] if batch is not None else [])
-                failures = 0
-                if batch is not None and hasattr(self.metrics, "observe_kv_events"):
-                    self.metrics.observe_kv_events(len(batch.events))
+                if batch is not None:
+                    unsent.append(batch)
+                if len(unsent) > KV_UNSENT_MAX:
+                    unsent = [KVEventBatch(time.time(), (AllBlocksCleared(),))]
+                await send(unsent)
+                if hasattr(self.metrics, "observe_kv_events"):
+                    self.metrics.observe_kv_events(sum(len(b.events) for b in unsent))
+                unsent, failures = [], 0
             except Exception as exc:  # noqa: BLE001 (the index is a routing hint: serving goes on)
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
