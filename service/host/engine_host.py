@@ -249,6 +249,8 @@ class EngineHost:
         while True:
             try:
                 batch = await self.loop.run_between_steps(self.engine.drain_kv_events)
+                if isinstance(batch, EngineFailure):  # the engine stopped: so do the heartbeats, and the
+                    return  # index forgets this replica within its ttl
                 if batch is not None:
                     unsent.append(batch)
                 if len(unsent) > KV_UNSENT_MAX:

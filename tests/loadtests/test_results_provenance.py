@@ -29,9 +29,7 @@ RESULTS = REPO / "docs" / "results"
 # honestly: no file records the torch version it ran with, nor (but by its commit's suffix)
 # whether its tree was clean.
 MEASURED_WITHOUT_PROVENANCE = {
-    "bench_held_load.json": "dirty tree (5778a7d-dirty); no torch version",
     "bench_llama_cpp.json": "no torch version, no dirty flag",
-    "bench_llama_cpp_a8.json": "dirty tree (e342b61-dirty); no torch version",
     "bench_pd_transfer_pool_copy.json": "its commit was set by hand (the GPU machine's copy wrote 21924dc-dirty); "
                                         "no torch version",
     "device_check.json": "command and commit 'not recorded'; no CPU model or cores",

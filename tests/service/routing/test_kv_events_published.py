@@ -50,6 +50,10 @@ def test_the_engines_events_reach_the_index_and_it_finds_the_prompt(tmp_path) ->
             assert index.lookup(prompt[:BLOCK] + [1] * 40) == {"replica-1": 1}  # only the first block shared
         finally:
             host.stop()
+        await asyncio.sleep(0.2)  # a cycle in flight when the engine stopped ends; the publisher with it
+        n = len(sent)
+        await asyncio.sleep(0.2)
+        assert len(sent) == n  # no heartbeat for a stopped engine: the index forgets it
 
     asyncio.run(run())
     assert any(not batches for batches in sent)  # heartbeats: empty lists
