@@ -40,6 +40,7 @@ apply_serving_env()  # before Ray Serve is imported: HAProxy in front of the rep
 import httpx  # noqa: E402
 
 from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.think_clients import clients, summary  # noqa: E402
 
 HTTP_PORT = 18590
 MODEL = "bench"
@@ -58,51 +59,10 @@ def service_args(model: str, batch_dir: str) -> dict[str, Any]:
             "batch_dir": batch_dir, "batch_concurrency": MAX_NUM_SEQS}
 
 
-async def stream_once(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    t0 = time.perf_counter()
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"status": r.status_code}
-        ttft, ok = None, False
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and ttft is None and '"text"' in line:
-                ttft = time.perf_counter() - t0
-            ok = ok or line == "data: [DONE]"
-        return {"status": 200 if ok else -1, "ttft": ttft}
-
-
-async def interactive(url: str, clients: int, seconds: float, max_tokens: int, think_s: float) -> list[dict[str, Any]]:
-    """Closed-loop streaming clients for `seconds`; each result's status and TTFT."""
-    out: list[dict[str, Any]] = []
-    https = [httpx.AsyncClient(base_url=url, timeout=300) for _ in range(clients)]
-    until = time.perf_counter() + seconds
-
-    async def loop(http: httpx.AsyncClient, seed: int) -> None:
-        rng = random.Random(seed)
-        while time.perf_counter() < until:
-            try:
-                out.append(await stream_once(http, " ".join(rng.choice(WORDS) for _ in range(24)), max_tokens))
-            except httpx.HTTPError as exc:
-                out.append({"status": -2, "error": type(exc).__name__})
-            await asyncio.sleep(think_s)
-
-    try:
-        await asyncio.gather(*(loop(http, 100 + i) for i, http in enumerate(https)))
-    finally:
-        for http in https:
-            await http.aclose()
-    return out
-
-
-def ttft_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
-    ttfts = sorted(r["ttft"] for r in results if r["status"] == 200 and r.get("ttft") is not None)
-    ok = sum(1 for r in results if r["status"] == 200)
-    return {"requests": len(results), "succeeded": ok,
-            "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2] if ttfts else None,
-            "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None}
+def interactive(url: str, n: int, seconds: float, max_tokens: int, think_s: float) -> list[dict[str, Any]]:
+    """`n` closed-loop streaming clients for `seconds`: every result's status and TTFT."""
+    work = [(None, max_tokens, think_s, 100 + i) for i in range(n)]
+    return [r for out in asyncio.run(clients(url, work, seconds, words=WORDS)) for r in out]
 
 
 def submit(http: httpx.Client, texts: list[str], max_tokens: int) -> str:
@@ -130,8 +90,8 @@ def run_service(model: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as batch_dir, \
             local_service(service_args(model, batch_dir), HTTP_PORT, num_cpus=2) as url, \
             httpx.Client(base_url=url, timeout=120) as http:
-        asyncio.run(interactive(url, args.clients, min(3.0, args.seconds), args.max_tokens, args.think_s))  # warm
-        alone = asyncio.run(interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s))
+        interactive(url, args.clients, min(3.0, args.seconds), args.max_tokens, args.think_s)  # warm
+        alone = interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s)
 
         batch_id = submit(http, prompts(args.lines, 7), args.batch_max_tokens)
         t0 = time.perf_counter()
@@ -143,10 +103,10 @@ def run_service(model: str, args: argparse.Namespace) -> dict[str, Any]:
         while batch_state(http, beside_id)["request_counts"]["completed"] == 0:  # the batch is running
             time.sleep(0.1)
         start_done = batch_state(http, beside_id)["request_counts"]["completed"]
-        beside = asyncio.run(interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s))
+        beside = interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s)
         end = batch_state(http, beside_id)
         http.post(f"/v1/batches/{beside_id}/cancel")
-    return {"alone": ttft_summary(alone), "beside": ttft_summary(beside),
+    return {"alone": summary(alone), "beside": summary(beside),
             "idle_batch": {"status": state["status"], "lines": args.lines, "completed": state["request_counts"]["completed"],
                            "seconds": idle_s, "tokens_per_s": state["request_counts"]["completed"] * args.batch_max_tokens / idle_s},
             "beside_batch": {"status_at_end": end["status"],
@@ -180,8 +140,8 @@ def table(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
             ["interactive TTFT p99 (ms)", a["ttft_p99_ms"], b["ttft_p99_ms"], ttft_ratio,
              ("<= 1.2: " + ("reached" if ttft_ratio is not None and ttft_ratio <= 1.2 else "not reached"))
              if measured else "not measured: the batch ended during the phase"],
-            ["interactive requests succeeded", f"{a['succeeded']}/{a['requests']}", f"{b['succeeded']}/{b['requests']}",
-             None, "all"],
+            ["interactive requests succeeded", f"{a['statuses'].get('200', 0)}/{a['requests']}",
+             f"{b['statuses'].get('200', 0)}/{b['requests']}", None, "all"],
             ["batch lines answered during the phase", None, res["beside_batch"]["lines_during_phase"], None, "> 0"],
             ["batch tokens/s: offline engine vs the idle service", res["offline"]["tokens_per_s"],
              res["idle_batch"]["tokens_per_s"], rate_ratio,

@@ -27,8 +27,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import random
-import statistics
 import sys
 import tempfile
 import time
@@ -41,9 +39,8 @@ from service.launch import apply_serving_env  # noqa: E402
 
 apply_serving_env()  # before Ray Serve is imported: HAProxy in front of the replica
 
-import httpx  # noqa: E402
-
 from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
+from loadtests.lib.think_clients import clients, summary  # noqa: E402
 from service.tenancy.keys import Limits, hash_key  # noqa: E402
 
 HTTP_PORT = 18430
@@ -64,54 +61,6 @@ def service_args(model: str, keys: Path | None) -> dict[str, Any]:
     auth = {"api_keys_file": str(keys)} if keys else {"api_key": "key-shared"}
     return {"model": model, "served_model_name": "bench", "max_num_seqs": MAX_NUM_SEQS, "engine_num_cpus": 1,
             "torch_threads": 1, "max_queued_requests": 512, **auth}
-
-
-async def stream_once(http: httpx.AsyncClient, key: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """One streaming completion: its status, TTFT (to the first text chunk) and Retry-After."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    t0 = time.perf_counter()
-    async with http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return {"status": r.status_code, "retry_after": float(r.headers.get("Retry-After", 1))}
-        ttft, ok = None, False
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and ttft is None and '"text"' in line:
-                ttft = time.perf_counter() - t0
-            ok = ok or line == "data: [DONE]"
-        return {"status": 200 if ok else -1, "ttft": ttft}
-
-
-async def client_loop(http: httpx.AsyncClient, key: str, until: float, max_tokens: int, think_s: float, seed: int,
-                      out: list[dict[str, Any]]) -> None:
-    rng = random.Random(seed)
-    while time.perf_counter() < until:
-        prompt = " ".join(rng.choice(("red", "blue", "cat", "sat", "on", "the", "mat")) for _ in range(24))
-        try:
-            res = await stream_once(http, key, prompt, max_tokens)
-        except httpx.HTTPError as exc:
-            res = {"status": -2, "error": type(exc).__name__}
-        out.append(res)
-        await asyncio.sleep(res.get("retry_after", think_s) if res["status"] == 429 else think_s)
-
-
-async def clients(url: str, work: list[tuple[str, int, float, int]], seconds: float,
-                  ready: Any = None) -> list[list[dict[str, Any]]]:
-    """Closed-loop clients, one per (key, max_tokens, think_s, seed), for `seconds`; each client's
-    connection is made before the clock starts (an httpx client costs milliseconds to create)."""
-    outs: list[list[dict[str, Any]]] = [[] for _ in work]
-    https = [httpx.AsyncClient(base_url=url, timeout=300) for _ in work]
-    if ready is not None:
-        ready.set()
-    until = time.perf_counter() + seconds
-    try:
-        await asyncio.gather(*(client_loop(http, key, until, max_tokens, think_s, seed, out)
-                               for http, (key, max_tokens, think_s, seed), out in zip(https, work, outs)))
-    finally:
-        for http in https:
-            await http.aclose()
-    return outs
 
 
 def flood(url: str, key: str, seconds: float, max_tokens: int, n: int, ready: Any, results: Any) -> None:
@@ -144,17 +93,6 @@ def phase(url: str, keys: dict[str, str], seconds: float, flood_clients: int, ar
         results[NOISY] = queue.get(timeout=seconds + 300)
         child.join(60)
     return results
-
-
-def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
-    ttfts = sorted(r["ttft"] for r in results if r["status"] == 200 and r.get("ttft") is not None)
-    statuses: dict[str, int] = {}
-    for r in results:
-        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    return {"requests": len(results), "statuses": statuses,
-            "success": statuses.get("200", 0) / len(results) if results else 0.0,
-            "ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else None,
-            "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None}
 
 
 def ledger_cost_ms(calls: int) -> float:

@@ -11,6 +11,7 @@ modules (and model/, service/), never one another. Nothing here is a command.
 - step_profile, moe_profile: torch.profiler breakdowns of decode steps
 - llama_cpp: building and running llama.cpp, and its batched-bench workload on the engine
 - streaming_clients: the small SSE client and closed-loop streaming runs against a service
+- think_clients: closed-loop streaming clients with a think time and an API key each (httpx)
 - process_cpu: CPU per part of a running service (by process and thread)
 - serve_env: Ray Serve's settings, applied before Ray Serve is imported
 - held_load: many held streams and a soak with disconnects against one replica

@@ -77,6 +77,10 @@ class KVIndex:
         """For each live replica that holds the first block: how many of `hashes`' leading blocks
         it holds (in `tiers`, default any), in order, stopping at the first it lacks."""
         self.expire()
+        return self._runs(hashes, tiers)
+
+    def _runs(self, hashes: list[bytes], tiers: Iterable[str] | None = None) -> dict[str, int]:
+        """`prefix_runs` over the replicas as they are (the caller has expired the silent ones)."""
         wanted = None if tiers is None else set(tiers)
         runs: dict[str, int] = {}
         alive: set[str] | None = None
@@ -100,7 +104,7 @@ class KVIndex:
         for size, salt in set(self._layout.values()):
             keys = block_hashes(prompt_token_ids, size, sequence_salt(bytes.fromhex(salt), lora))
             same = {r for r, layout in self._layout.items() if layout == (size, salt)}
-            runs.update({r: n for r, n in self.prefix_runs(keys).items() if r in same})
+            runs.update({r: n for r, n in self._runs(keys).items() if r in same})
         return runs
 
     def replicas(self) -> dict[str, int]:
