@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
-BASE_PORT, HTTP_PORT = 18780, 18820  # the cluster's ports: 18780-18820
+BASE_PORT, HTTP_PORT = 19100, 19090  # the cluster's ports: 19100-19259 (tests/support/ray_nodes.py)
 
 
 def first_time(probe: Any, timeout_s: float, every_s: float = 0.25) -> float | None:
@@ -74,6 +74,8 @@ def one_loss(nodes: Any, victim: str, args: argparse.Namespace) -> dict[str, Any
         "cut_ended_max_s": round(max((o.ended - killed_at for o in cut), default=0.0), 3),
         "sent_after": len(sent_after), "failed_after": sum(not o.ok for o in sent_after),
         "failed_after_errors": sorted({(o.error or "")[:80] for o in sent_after if not o.ok}),
+        # each failure's send time after the kill and how long it took, in seconds
+        "failed_after_when": [[round(o.sent - killed_at, 2), round(o.ended - o.sent, 2)] for o in sent_after if not o.ok],
         "hung": sum(o.hung for o in outcomes),
         "index_forgot_s": None if forget_s is None else round(forget_s, 2),
         "ray_start_s": round(started_s, 2),

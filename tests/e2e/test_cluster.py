@@ -114,7 +114,10 @@ class Machines:
         """Stop this test's Ray only: processes naming its temp dir, and their children."""
         procs: dict[int, psutil.Process] = {}
         for proc in psutil.process_iter(["cmdline"]):
-            if str(self.temp_dir) in " ".join(proc.info["cmdline"] or []):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            # Ray's client server names neither the temp dir nor 127.0.0.1: found by its port
+            client_server = "ray.util.client.server" in cmdline and f"--port={CLIENT_SERVER_PORT} " in f"{cmdline} "
+            if str(self.temp_dir) in cmdline or client_server:
                 for p in [proc, *_children(proc)]:
                     procs[p.pid] = p
         for p in procs.values():

@@ -26,7 +26,7 @@ from tests.support.stream_load import StreamLoad
 
 pytestmark = pytest.mark.slow
 
-BASE_PORT, HTTP_PORT = 18720, 18760  # the cluster's ports: 18720-18760
+BASE_PORT, HTTP_PORT = 18720, 18710  # the cluster's ports: 18720-18879 (tests/support/ray_nodes.py)
 CLIENTS, MAX_TOKENS = 4, 48
 
 

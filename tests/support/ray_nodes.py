@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -49,17 +50,22 @@ class Node:
     node_manager_port: int
     worker_ports: tuple[int, int]
     head_flags: list[str] = field(default_factory=list)  # only the head's
+    client_server_port: int | None = None  # only the head's
 
     @property
     def is_head(self) -> bool:
         return bool(self.head_flags)
 
     def processes(self) -> list[psutil.Process]:
-        """Every live process of this node: those naming its temp dir, and their descendants."""
+        """Every live process of this node: those naming its temp dir (or, the head's Ray client
+        server, its port: that one names neither), and their descendants."""
+        mine = re.escape(str(self.temp_dir))
+        if self.client_server_port is not None:
+            mine += rf"|ray\.util\.client\.server .*--port={self.client_server_port}\b"
         found: dict[int, psutil.Process] = {}
         for proc in psutil.process_iter(["cmdline"]):
             try:
-                if str(self.temp_dir) in " ".join(proc.info["cmdline"] or []):
+                if re.search(mine, " ".join(proc.info["cmdline"] or [])):
                     for p in [proc, *proc.children(recursive=True)]:
                         found[p.pid] = p
             except psutil.Error:
@@ -68,7 +74,8 @@ class Node:
 
 
 class RayNodes:
-    """A head and named workers on loopback; `base_port` and the next 39 ports are the cluster's."""
+    """A head and named workers on loopback: the cluster's ports are `base_port` (the GCS), the next
+    (the dashboard), and a block of 50 per node from `base_port` + 10 (three nodes: up to + 159)."""
 
     def __init__(self, base_port: int, system_config: dict[str, Any] | None = None) -> None:
         self.base_port = base_port
@@ -88,7 +95,11 @@ class RayNodes:
         """The nodes' environment: this project's Serve settings, none of the caller's RAY_ ones."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         return env | SERVING_ENV | {"PATH": f"{BIN}:{env['PATH']}", "PYTHONPATH": str(REPO),
-                                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+                                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
+                                    # Serve gives its proxy 3 x 5 s to start; three nodes starting on two
+                                    # cores can take longer (seen: the controller killed the proxy
+                                    # before its process ran, and the deploy failed).
+                                    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
     @property
     def headers(self) -> dict[str, str]:
@@ -99,7 +110,9 @@ class RayNodes:
         index = len(self.nodes)
         # Ray's temp dir stays short: its socket paths must fit AF_UNIX's 107 bytes.
         temp_dir = Path(tempfile.mkdtemp(prefix=f"qkv-ray-{name}-", dir="/tmp"))
-        ports = self.base_port + 4 + index * 12
+        # Each node's block of 50 ports: metrics, node manager, agent, client server, then 40 for
+        # its worker processes (a narrower range ran out: "No available ports").
+        ports = self.base_port + 10 + index * 50
         head_flags = []
         if head:
             assert not self.nodes, "the head is added first"
@@ -108,7 +121,8 @@ class RayNodes:
                           f"--dashboard-agent-listen-port={ports + 2}", f"--ray-client-server-port={ports + 3}",
                           f"--system-config={json.dumps(self.system_config)}"]
         node = Node(name, temp_dir, resources, num_cpus, metrics_port=ports, node_manager_port=ports + 1,
-                    worker_ports=(ports + 4, ports + 11), head_flags=head_flags)
+                    worker_ports=(ports + 10, ports + 49), head_flags=head_flags,
+                    client_server_port=ports + 3 if head else None)
         self.nodes[name] = node
         self.start(name)
         return node
@@ -146,7 +160,7 @@ class RayNodes:
     def deploy(self, config: dict[str, Any]) -> None:
         """Deploy a Serve config (what `serve deploy` sends to the dashboard)."""
         r = requests.put(f"{self.dashboard}/api/serve/applications/", json=config, headers=self.headers,
-                         timeout=60)
+                         timeout=240)
         assert r.status_code == 200, r.text[:2000]
 
     def serve_details(self) -> dict[str, Any]:
@@ -167,15 +181,21 @@ class RayNodes:
     def stop(self) -> None:
         """Stop every node's processes (SIGTERM, then SIGKILL), HAProxy left by Serve, temp dirs.
         Raises when a process of the cluster survives."""
-        procs = {p.pid: p for node in self.nodes.values() for p in node.processes()}
-        for p in procs.values():
+        def ours() -> list[psutil.Process]:
+            return [p for node in self.nodes.values() for p in node.processes()]
+
+        procs = ours()
+        for p in procs:
             _signal(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
-        for p in alive:
-            _signal(p, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=10)
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        # A raylet can fork a worker after the list was taken: kill until none is left.
+        deadline = time.monotonic() + 30
+        while (alive := ours()) and time.monotonic() < deadline:
+            for p in alive:
+                _signal(p, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=10)
         reap_orphaned_haproxy(self.started_at)  # a HAProxy whose Ray is gone holds Serve's ports
-        left = [p for node in self.nodes.values() for p in node.processes()]
+        left = ours()
         for node in self.nodes.values():
             shutil.rmtree(node.temp_dir, ignore_errors=True)
         assert not left, f"processes of the test's Ray still running: {left}"
@@ -227,9 +247,11 @@ def start_serving_cluster(model: Path, base_port: int, http_port: int) -> RayNod
     """Start the nodes, deploy, and wait until HAProxy serves a completion; stopped again on failure."""
     nodes = RayNodes(base_port, system_config={"metrics_report_interval_ms": 1000})
     try:
-        nodes.add("head", {"qkv_head": 1}, num_cpus=1, head=True)
+        # Two logical CPUs per node: a raylet starts at most that many worker processes at once
+        # (one would queue the head's controller, proxy, router and index behind each other).
+        nodes.add("head", {"qkv_head": 1}, num_cpus=2, head=True)
         for name in WORKERS:
-            nodes.add(name, {"qkv_engine_slot": 1})
+            nodes.add(name, {"qkv_engine_slot": 1}, num_cpus=2)
         nodes.deploy(serving_config(model, http_port))
         wait_until(lambda: engines_running(nodes) == set(WORKERS), 300, "an engine replica running on each worker",
                    every_s=2)
