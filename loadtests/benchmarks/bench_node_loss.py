@@ -5,7 +5,8 @@ and b with one engine replica each), measured over `--rounds` losses (the worker
 1. closed-loop streaming clients (`--clients`, `--max-tokens` tokens each) run through HAProxy;
 2. every process of one worker is SIGKILLed at once (its raylet, agents and replica);
 3. recorded: the streams in flight on the lost node (cut) and how long after the kill the last of
-   them ended, the requests sent after the kill and how many failed, whether any request reached
+   them ended, the requests sent after the kill (after every process was signalled: a request sent
+   while they are being found may still reach the node) and how many failed, whether any request reached
    the clients' hang bound, and how long the KV index took to forget the lost replica (its gauge
    on the head's metrics endpoint, polled every 0.25 s);
 4. the node is started again (`ray start`, the same command): how long from that command's return
@@ -54,8 +55,7 @@ def one_loss(nodes: Any, victim: str, args: argparse.Namespace) -> dict[str, Any
     with StreamLoad(url, args.clients, args.max_tokens) as load:
         if first_time(lambda: load.served_since(0) >= 2 * args.clients, 120) is None:
             raise RuntimeError("the load never ran")
-        killed_at = time.time()
-        killed = nodes.kill(victim)
+        killed, killed_at = nodes.kill(victim)
         forget_s = first_time(lambda: index_replicas(nodes) == len(WORKERS) - 1, 60)
         after = time.time()
         first_time(lambda: load.served_since(after) >= args.after_requests, 180)
@@ -65,7 +65,7 @@ def one_loss(nodes: Any, victim: str, args: argparse.Namespace) -> dict[str, Any
     returned_at = time.time()
     nodes.start(victim)
     started_s = time.time() - returned_at
-    restored_s = first_time(lambda: engines_running(nodes) == set(WORKERS), 300, every_s=0.5)
+    restored_s = first_time(lambda: engines_running(nodes) == dict.fromkeys(WORKERS, 1), 300, every_s=0.5)
     heard_s = first_time(lambda: index_replicas(nodes) == len(WORKERS), 120)
     return {
         "victim": victim, "processes_killed": killed,

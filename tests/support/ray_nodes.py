@@ -142,13 +142,16 @@ class RayNodes:
         if node.is_head:
             wait_until(lambda: _answers(f"{self.dashboard}/api/version"), 90, f"the head's dashboard ({node.temp_dir})")
 
-    def kill(self, name: str) -> int:
-        """SIGKILL every process of the node at once (a machine gone); returns how many."""
+    def kill(self, name: str) -> tuple[int, float]:
+        """SIGKILL every process of the node at once (a machine gone); returns how many, and the
+        time.time() by which all were signalled (finding them takes a moment: a request sent in
+        that moment may still have reached the node)."""
         procs = self.nodes[name].processes()
         for p in procs:
             _signal(p, signal.SIGKILL)
+        signalled = time.time()
         psutil.wait_procs(procs, timeout=15)
-        return len(procs)
+        return len(procs), signalled
 
     def node_of(self, pid: int) -> str:
         """The name of the node whose processes include `pid`."""
@@ -177,6 +180,16 @@ class RayNodes:
         apps = details.get("applications") or {}
         dep = ((apps.get(app) or {}).get("deployments") or {}).get(deployment) or {}
         return list(dep.get("replicas") or [])
+
+    def app_status(self, app: str) -> str:
+        """The app's status and message, and its deployments' replica states (for failure messages)."""
+        try:
+            details = (self.serve_details().get("applications") or {}).get(app) or {}
+        except requests.RequestException as exc:
+            return f"dashboard: {exc}"
+        states = {name: [r.get("state") for r in dep.get("replicas") or []]
+                  for name, dep in (details.get("deployments") or {}).items()}
+        return f"{details.get('status')} {details.get('message', '')[:1500]} {states}"
 
     def stop(self) -> None:
         """Stop every node's processes (SIGTERM, then SIGKILL), HAProxy left by Serve, temp dirs.
@@ -230,20 +243,24 @@ def _answers(url: str) -> bool:
 WORKERS = ("a", "b")
 
 
-def serving_config(model: Path, http_port: int) -> dict[str, Any]:
-    args = {"model": str(model), "num_replicas": len(WORKERS), "max_num_seqs": 8, "block_size": 16,
-            "engine_num_cpus": 0.5, "router_num_cpus": 0.1, "torch_threads": 1, "kv_cache_index": True}
+def serving_config(model: Path, http_port: int, per_worker: int = 1, kv_cache_index: bool = True) -> dict[str, Any]:
+    """`per_worker` engine replicas on each worker; `kv_cache_index` off: the router goes by its own
+    record of where it sent prefixes."""
+    args = {"model": str(model), "num_replicas": per_worker * len(WORKERS), "max_num_seqs": 8, "block_size": 16,
+            "engine_num_cpus": 0.5, "router_num_cpus": 0.1, "torch_threads": 1, "kv_cache_index": kv_cache_index}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port},
             "applications": [{
                 "name": "qkv", "route_prefix": "/", "import_path": "service.app:build_app", "args": args,
                 "deployments": [
                     {"name": "EngineDeployment",
                      "ray_actor_options": {"num_cpus": 0.5, "resources": {"qkv_engine_slot": 1}}},
-                    {"name": "KVIndex", "ray_actor_options": {"num_cpus": 0, "resources": {"qkv_head": 0.1}}},
+                    *([{"name": "KVIndex", "ray_actor_options": {"num_cpus": 0, "resources": {"qkv_head": 0.1}}}]
+                      if kv_cache_index else []),
                 ]}]}
 
 
-def start_serving_cluster(model: Path, base_port: int, http_port: int) -> RayNodes:
+def start_serving_cluster(model: Path, base_port: int, http_port: int, per_worker: int = 1,
+                          kv_cache_index: bool = True) -> RayNodes:
     """Start the nodes, deploy, and wait until HAProxy serves a completion; stopped again on failure."""
     nodes = RayNodes(base_port, system_config={"metrics_report_interval_ms": 1000})
     try:
@@ -251,10 +268,13 @@ def start_serving_cluster(model: Path, base_port: int, http_port: int) -> RayNod
         # (one would queue the head's controller, proxy, router and index behind each other).
         nodes.add("head", {"qkv_head": 1}, num_cpus=2, head=True)
         for name in WORKERS:
-            nodes.add(name, {"qkv_engine_slot": 1}, num_cpus=2)
-        nodes.deploy(serving_config(model, http_port))
-        wait_until(lambda: engines_running(nodes) == set(WORKERS), 300, "an engine replica running on each worker",
-                   every_s=2)
+            nodes.add(name, {"qkv_engine_slot": per_worker}, num_cpus=2)
+        nodes.deploy(serving_config(model, http_port, per_worker, kv_cache_index))
+        want = {w: per_worker for w in WORKERS}
+        try:
+            wait_until(lambda: engines_running(nodes) == want, 300, f"engine replicas running: {want}", every_s=2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the app: {nodes.app_status('qkv')}") from None
         wait_until(lambda: _completes(f"http://127.0.0.1:{http_port}"), 120, "HAProxy to serve a completion")
     except BaseException:
         nodes.stop()
@@ -262,15 +282,16 @@ def start_serving_cluster(model: Path, base_port: int, http_port: int) -> RayNod
     return nodes
 
 
-def engines_running(nodes: RayNodes) -> set[str]:
-    """The nodes on which an engine replica is RUNNING (found by its process)."""
-    found = set()
+def engines_running(nodes: RayNodes) -> dict[str, int]:
+    """Node name -> how many engine replicas are RUNNING there (found by their processes)."""
+    found: dict[str, int] = {}
     for replica in nodes.replicas("qkv", "EngineDeployment"):
         if replica.get("state") == "RUNNING" and replica.get("pid"):
             try:
-                found.add(nodes.node_of(replica["pid"]))
+                node = nodes.node_of(replica["pid"])
             except LookupError:  # the replica of a node just killed, not yet known dead
-                pass
+                continue
+            found[node] = found.get(node, 0) + 1
     return found
 
 
