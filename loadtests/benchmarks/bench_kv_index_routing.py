@@ -14,7 +14,7 @@ the next question). A turn's prompt is the shared
 system text, the conversation so far (earlier prompts and answers) and a new question, sent as a
 streamed `/v1/completions`. Reported per mode: the prefix-cache hit rate (prompt tokens served
 from a cache / prompt tokens, summed over the workers' `qkv_prefix_cache_*` counters), the bound on
-it for this run's order of requests (`reuse_bound`: what was computed anywhere before), TTFT p50
+it for this run's order of requests (`reuse_bound`: what had been computed anywhere), TTFT p50
 and p90, and generated tokens per second. Target: hit rate with the index >= 1.5x the router's
 record, and a lower TTFT p50 at equal throughput.
 
@@ -107,22 +107,24 @@ def run_workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def reuse_bound(turns: list[dict[str, Any]], block_size: int) -> int:
-    """The prompt tokens any routing could have served from a cache: for each request, the longest
-    common prefix (in whole blocks, short of its last token) with a prompt-and-answer that had
-    ended before it was sent, on any replica, caches never evicting. The tokenizer is byte-level:
-    a token is a byte."""
-    done = sorted(turns, key=lambda r: r["ended"])
+    """The prompt tokens any routing could have served from a cache, caches never evicting: for
+    each request, the longest common prefix (in whole blocks, short of its last token) with the
+    prompt of any request sent before it (its prefill may be done) or the prompt and answer of any
+    that had ended before it. The tokenizer is byte-level: a token is a byte, after the few tokens
+    it puts first (`prompt_tokens` minus the prompt's bytes)."""
     total = 0
     for r in turns:
         mine = r["prompt"].encode()
         best = 0
-        for other in done:
-            if other["ended"] >= r["sent"]:
-                break
-            theirs = (other["prompt"] + other["text"]).encode()
+        for other in turns:
+            if other is r or other["sent"] >= r["sent"]:
+                continue
+            theirs = (other["prompt"] + (other["text"] if other["ended"] < r["sent"] else "")).encode()
             n = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
             best = max(best, n)
-        total += min(best, len(mine) - 1) // block_size * block_size
+        first = r["prompt_tokens"] - len(mine)
+        if best:
+            total += min(best + first, r["prompt_tokens"] - 1) // block_size * block_size
     return total
 
 
