@@ -34,8 +34,13 @@ class Outcome:
 class StreamLoad:
     """`clients` threads sending streamed completions to `url` back to back."""
 
-    def __init__(self, url: str, clients: int, max_tokens: int, hang_bound_s: float = 120) -> None:
+    def __init__(self, url: str, clients: int, max_tokens: int, hang_bound_s: float = 120,
+                 fresh_prefixes: bool = False) -> None:
+        """`fresh_prefixes`: each prompt starts with its own number, so that no replica holds its
+        first block and a prefix-aware router places it by load alone (otherwise a client's prompts
+        share their first block, and the router keeps them where that block is)."""
         self.url, self.clients, self.max_tokens, self.hang_bound_s = url, clients, max_tokens, hang_bound_s
+        self.fresh_prefixes = fresh_prefixes
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -64,7 +69,9 @@ class StreamLoad:
     def _loop(self, client: int) -> None:
         n = 0
         while not self._stop.is_set():
-            outcome = self._one(client, f"client {client} request {n}: the quick brown fox jumps over")
+            prompt = (f"{n:06d}/{client} " if self.fresh_prefixes else f"client {client} request {n}: ") + \
+                "the quick brown fox jumps over"
+            outcome = self._one(client, prompt)
             with self._lock:
                 self.outcomes.append(outcome)
             n += 1
