@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import requests
 import yaml
 
 from service.launch import reap_orphaned_haproxy
+from tests.support.ray_nodes import answers, client_server_pattern, matching_processes, stop_processes
 from tests.support.serve_fixtures import REPO, metric_sum, read_rayservice, scrape, send_concurrently, wait_until, \
     write_tiny_model
 
@@ -111,36 +111,10 @@ class Machines:
         return done.stdout
 
     def stop(self) -> list[psutil.Process]:
-        """Stop this test's Ray only: processes naming its temp dir, and their children."""
-        procs: dict[int, psutil.Process] = {}
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            # Ray's client server names neither the temp dir nor 127.0.0.1: found by its port
-            client_server = "ray.util.client.server" in cmdline and f"--port={CLIENT_SERVER_PORT} " in f"{cmdline} "
-            if str(self.temp_dir) in cmdline or client_server:
-                for p in [proc, *_children(proc)]:
-                    procs[p.pid] = p
-        for p in procs.values():
-            _signal(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
-        for p in alive:
-            _signal(p, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=10)
-        return [p for p in procs.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
-def _children(proc: psutil.Process) -> list[psutil.Process]:
-    try:
-        return proc.children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _signal(proc: psutil.Process, sig: int) -> None:
-    try:
-        proc.send_signal(sig)
-    except psutil.Error:
-        pass
+        """Stop this test's Ray only: processes naming its temp dir, its Ray client server, and
+        their children; returns those left running."""
+        mine = re.escape(str(self.temp_dir)) + "|" + client_server_pattern(CLIENT_SERVER_PORT)
+        return stop_processes(lambda: matching_processes(mine))
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +133,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         machines.run(head, "head", HEAD_METRICS_PORT,
                      f"--dashboard-port={DASHBOARD_PORT} --dashboard-agent-listen-port={HEAD_AGENT_PORT} "
                      f"--ray-client-server-port={CLIENT_SERVER_PORT} --min-worker-port=19420 --max-worker-port=19459")
-        wait_until(lambda: _answers(f"http://127.0.0.1:{DASHBOARD_PORT}/api/version"), 60,
+        wait_until(lambda: answers(f"http://127.0.0.1:{DASHBOARD_PORT}/api/version"), 60,
                    f"the head's dashboard (log: {machines.temp_dir}/session_latest/logs/dashboard.log)")
         machines.token = (machines.home("head") / ".ray" / "auth_token").read_text().strip()
         assert re.fullmatch(r"[0-9a-f]{64}", machines.token)
@@ -186,15 +160,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         reap_orphaned_haproxy(started)  # a HAProxy whose Ray is gone (service/launch.py) holds Serve's ports
         shutil.rmtree(machines.temp_dir, ignore_errors=True)
         assert not left, f"processes of the test's Ray still running: {left}"
-
-
-def _answers(url: str) -> bool:
-    """The server is up (any HTTP answer: the dashboard answers 401 without the token)."""
-    try:
-        requests.get(url, timeout=5)
-        return True
-    except requests.RequestException:
-        return False
 
 
 def _details_running(token: str) -> bool:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,16 +62,42 @@ class Node:
         server, its port: that one names neither), and their descendants."""
         mine = re.escape(str(self.temp_dir))
         if self.client_server_port is not None:
-            mine += rf"|ray\.util\.client\.server .*--port={self.client_server_port}\b"
-        found: dict[int, psutil.Process] = {}
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if re.search(mine, " ".join(proc.info["cmdline"] or [])):
-                    for p in [proc, *proc.children(recursive=True)]:
-                        found[p.pid] = p
-            except psutil.Error:
-                continue
-        return [p for p in found.values() if _alive(p)]
+            mine += "|" + client_server_pattern(self.client_server_port)
+        return matching_processes(mine)
+
+
+def client_server_pattern(port: int) -> str:
+    """The command line of a head's Ray client server (`--ray-client-server-port`): it names neither
+    the temp dir nor 127.0.0.1 (`--address=<the machine's address>:<GCS port>`)."""
+    return rf"ray\.util\.client\.server .*--port={port}\b"
+
+
+def matching_processes(pattern: str) -> list[psutil.Process]:
+    """The live processes whose command line matches the regex `pattern`, and their descendants."""
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if re.search(pattern, " ".join(proc.info["cmdline"] or [])):
+                for p in [proc, *proc.children(recursive=True)]:
+                    found[p.pid] = p
+        except psutil.Error:
+            continue
+    return [p for p in found.values() if _alive(p)]
+
+
+def stop_processes(find: Callable[[], list[psutil.Process]]) -> list[psutil.Process]:
+    """SIGTERM what `find()` returns, then SIGKILL what it still returns until it returns nothing
+    (a raylet can fork a worker after the list was taken), for up to 30 s; returns what is left."""
+    procs = find()
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    psutil.wait_procs(procs, timeout=15)
+    deadline = time.monotonic() + 30
+    while (alive := find()) and time.monotonic() < deadline:
+        for p in alive:
+            _signal(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=10)
+    return find()
 
 
 class RayNodes:
@@ -140,7 +167,7 @@ class RayNodes:
         done = subprocess.run(cmd, env=self.env(), cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
         assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         if node.is_head:
-            wait_until(lambda: _answers(f"{self.dashboard}/api/version"), 90, f"the head's dashboard ({node.temp_dir})")
+            wait_until(lambda: answers(f"{self.dashboard}/api/version"), 90, f"the head's dashboard ({node.temp_dir})")
 
     def kill(self, name: str) -> tuple[int, float]:
         """SIGKILL every process of the node at once (a machine gone); returns how many, and the
@@ -194,21 +221,9 @@ class RayNodes:
     def stop(self) -> None:
         """Stop every node's processes (SIGTERM, then SIGKILL), HAProxy left by Serve, temp dirs.
         Raises when a process of the cluster survives."""
-        def ours() -> list[psutil.Process]:
-            return [p for node in self.nodes.values() for p in node.processes()]
-
-        procs = ours()
-        for p in procs:
-            _signal(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=15)
-        # A raylet can fork a worker after the list was taken: kill until none is left.
-        deadline = time.monotonic() + 30
-        while (alive := ours()) and time.monotonic() < deadline:
-            for p in alive:
-                _signal(p, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=10)
+        stop_processes(lambda: [p for node in self.nodes.values() for p in node.processes()])
         reap_orphaned_haproxy(self.started_at)  # a HAProxy whose Ray is gone holds Serve's ports
-        left = ours()
+        left = [p for node in self.nodes.values() for p in node.processes()]
         for node in self.nodes.values():
             shutil.rmtree(node.temp_dir, ignore_errors=True)
         assert not left, f"processes of the test's Ray still running: {left}"
@@ -228,7 +243,8 @@ def _signal(proc: psutil.Process, sig: int) -> None:
         pass
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """The server is up (any HTTP answer: a dashboard answers 401 without the token)."""
     try:
         requests.get(url, timeout=5)
         return True
