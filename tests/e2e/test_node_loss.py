@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import pytest
+import requests
 
 from tests.support.ray_nodes import RayNodes, engines_running, index_replicas, start_serving_cluster
 from tests.support.serve_fixtures import metric_sum, scrape, wait_until, write_tiny_model
@@ -72,6 +73,13 @@ def test_a_worker_lost_under_load_fails_no_request_sent_after_it_and_comes_back(
     # gets its share (the clients' usual prompts stay where their first block is cached: node b).
     returned = f"http://127.0.0.1:{nodes.nodes['a'].metrics_port}/metrics"
     with StreamLoad(url, CLIENTS, MAX_TOKENS, fresh_prefixes=True) as load:
-        wait_until(lambda: metric_sum(scrape(returned), "ray_qkv_request_success_total") > 0, 120,
-                   "the returned node's replica to serve requests")
+        wait_until(lambda: served(returned) > 0, 120, "the returned node's replica to serve requests")
     assert all(o.ok for o in load.outcomes), [o.error for o in load.outcomes if not o.ok][:5]
+
+
+def served(metrics_url: str) -> float:
+    """Requests served by the node's replicas (0 while its metrics endpoint does not answer yet)."""
+    try:
+        return metric_sum(scrape(metrics_url), "ray_qkv_request_success_total")
+    except requests.RequestException:
+        return 0.0
