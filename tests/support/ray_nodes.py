@@ -180,12 +180,9 @@ class RayNodes:
         psutil.wait_procs(procs, timeout=15)
         return len(procs), signalled
 
-    def node_of(self, pid: int) -> str:
-        """The name of the node whose processes include `pid`."""
-        for name, node in self.nodes.items():
-            if any(p.pid == pid for p in node.processes()):
-                return name
-        raise LookupError(f"pid {pid} belongs to none of {list(self.nodes)}")
+    def node_by_pid(self) -> dict[int, str]:
+        """Every live process of the cluster -> the name of its node (one scan per node)."""
+        return {p.pid: name for name, node in self.nodes.items() for p in node.processes()}
 
     def deploy(self, config: dict[str, Any]) -> None:
         """Deploy a Serve config (what `serve deploy` sends to the dashboard)."""
@@ -300,13 +297,12 @@ def start_serving_cluster(model: Path, base_port: int, http_port: int, per_worke
 
 def engines_running(nodes: RayNodes) -> dict[str, int]:
     """Node name -> how many engine replicas are RUNNING there (found by their processes)."""
+    running = [r["pid"] for r in nodes.replicas("qkv", "EngineDeployment") if r.get("state") == "RUNNING" and r.get("pid")]
     found: dict[str, int] = {}
-    for replica in nodes.replicas("qkv", "EngineDeployment"):
-        if replica.get("state") == "RUNNING" and replica.get("pid"):
-            try:
-                node = nodes.node_of(replica["pid"])
-            except LookupError:  # the replica of a node just killed, not yet known dead
-                continue
+    if running:
+        where = nodes.node_by_pid()
+        # a replica of a node just killed, not yet known dead, has no live process: not counted
+        for node in filter(None, map(where.get, running)):
             found[node] = found.get(node, 0) + 1
     return found
 
