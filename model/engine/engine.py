@@ -30,6 +30,9 @@ from model.sampling.structured import GrammarConstraint
 
 logger = logging.getLogger(__name__)
 
+PREFILL_RATE_MIN_TOKENS = 128  # a step computing this many tokens or more measures the prefill rate
+PREFILL_RATE_WEIGHT = 0.3  # the latest such step's weight in the running estimate
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -116,6 +119,10 @@ class Engine:
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[_Request] = []
+        # What computing a prompt token costs here, as measured over the steps that computed at least
+        # PREFILL_RATE_MIN_TOKENS tokens (None until one did): what a fetch of cached blocks from
+        # another replica is weighed against (service/replica/peer_fetch.py).
+        self.prefill_seconds_per_token: float | None = None
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), quantization %s%s",
                     self.model_name, self.runtime.device, self.runtime.dtype, self.runtime.num_kv_blocks,
                     self.config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
@@ -352,7 +359,12 @@ class Engine:
         prompt_lps: dict[str, list[TokenLogprob]] | None = {} if wanted else None
         verifying = [s for s in sched.scheduled if s.spec]
         spec_logits: dict[str, torch.Tensor] | None = {} if verifying else None
+        t0 = time.perf_counter()
         tokens, logprobs = self.runner.run(sched.scheduled, rows, prompt_lps, spec_logits)
+        if sched.num_tokens >= PREFILL_RATE_MIN_TOKENS:  # a step that computes mostly prompt tokens
+            per_token = (time.perf_counter() - t0) / sched.num_tokens
+            self.prefill_seconds_per_token = per_token if self.prefill_seconds_per_token is None else \
+                (1 - PREFILL_RATE_WEIGHT) * self.prefill_seconds_per_token + PREFILL_RATE_WEIGHT * per_token
         if prompt_lps:
             self._record_prompt_logprobs(sched.scheduled, prompt_lps)
         self.scheduler.computed(sched)

@@ -133,6 +133,13 @@ class AppArgs(BaseModel):
                                  "cache events (blocks stored, evicted) to one index of the app, and the router "
                                  "sends a request to the replica the index says holds the longest run of its "
                                  "prompt, instead of the one it last sent that prefix to.")
+    kv_remote_fetch: bool = Field(False, description="With kv_cache_index: a replica whose pool misses a prompt's "
+                                  "leading blocks that another replica's pool holds (on any node) takes them from "
+                                  "it instead of computing them, when moving them is measured to be faster.")
+    kv_remote_fetch_min_tokens: int = Field(256, ge=1, description="Prompts shorter than this are computed, never "
+                                            "fetched.")
+    kv_remote_fetch_timeout_s: float = Field(5.0, gt=0, description="How long a fetch from another replica may "
+                                             "take before the prompt is computed instead.")
     # admission: each engine replica's own gate (service/engine/admission.py)
     max_ongoing_requests: int | None = Field(None, ge=1, description="Requests in flight in one engine replica; "
                                              "None: max_num_seqs plus a quarter of it (at least 4), so nothing "
@@ -217,6 +224,8 @@ class AppArgs(BaseModel):
             KeyTable(self.api_keys_file)  # a missing or invalid file fails here, not in every replica
         if self.kv_cache_index and self.models is not None:
             raise ValueError("kv_cache_index serves one model per app for now; leave out models")
+        if self.kv_remote_fetch and not self.kv_cache_index:  # the index says which replica holds a prefix
+            raise ValueError("kv_remote_fetch needs kv_cache_index: true")
         if self.batch_dir and self.models is not None:  # any replica may run any batch of the directory
             raise ValueError("batch_dir serves one model per app for now; leave out models")
         return self

@@ -84,7 +84,9 @@ def compose_app(args: AppArgs, engine_wrapper: Callable[[Any], Any] | None = Non
     kv_index = KVIndexDeployment.bind(args.resolved_name()) if prefix_router and args.kv_cache_index and not deployment_name else None
     if kv_index is not None:  # the engines publish what their caches hold; the prefix route asks it
         # (events only where they are drained: a log nobody reads would grow without end)
-        init |= {"kv_index": kv_index, "engine_config": init["engine_config"] | {"enable_kv_cache_events": True}}
+        init |= {"kv_index": kv_index, "engine_config": init["engine_config"] | {"enable_kv_cache_events": True},
+                 "kv_remote_fetch": args.kv_remote_fetch, "kv_remote_fetch_min_tokens": args.kv_remote_fetch_min_tokens,
+                 "kv_remote_fetch_timeout_s": args.kv_remote_fetch_timeout_s}
     engine = (EngineBackend.options(name=deployment_name) if deployment_name else EngineDeployment).options(
         **options, **(router_options(args) if prefix_router else {}),
     ).bind(**init)

@@ -93,7 +93,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens looked up in the prefix cache."),
     MetricSpec("prefix_hits", "qkv_prefix_cache_hits_total", "counter",
                "Prompt tokens found in the prefix cache (their K/V not recomputed)."),
-    MetricSpec("kv_events", "qkv_kv_events_published_total", "counter",
+    MetricSpec("kv_events", "qkv_kv_events_total", "counter",
                "KV cache events (blocks stored, removed, cleared) this replica sent to the app's KV index "
                "(`kv_cache_index`)."),
     MetricSpec("kv_index_blocks", "qkv_kv_index_blocks", "gauge",
@@ -102,11 +102,25 @@ METRICS: tuple[MetricSpec, ...] = (
                "Engine replicas the app's KV index has heard from within its ttl (the KVIndex deployment)."),
     *tier_metrics("offload", "the offload tier"),
     *tier_metrics("share", "the shared tier (kv_share_dir)"),
+    MetricSpec("remote_fetch_blocks", "qkv_kv_remote_fetch_blocks_total", "counter",
+               "KV blocks this replica took from another replica's pool instead of computing them "
+               "(`kv_remote_fetch`)."),
+    MetricSpec("remote_fetch_bytes", "qkv_kv_remote_fetch_bytes_total", "counter",
+               "Bytes of the KV blocks fetched from other replicas."),
+    MetricSpec("remote_fetch_time", "qkv_kv_remote_fetch_seconds", "histogram",
+               "One prompt's fetch from another replica: from the call to the peer until the blocks are in "
+               "this engine.", buckets=_LATENCY_BUCKETS),
+    MetricSpec("remote_fetch_fallbacks", "qkv_kv_remote_fetch_fallbacks_total", "counter",
+               "Prompts whose blocks another replica was said to hold but that were computed here instead, by "
+               "reason: unavailable (the peer is gone or failed), timeout, corrupt (bytes that did not match "
+               "their checksums: those blocks and the ones after them), empty (the peer no longer held them), "
+               "refused (blocks of another model or layout).", ("reason",)),
     MetricSpec("transfers", "qkv_kv_transfers_total", "counter",
-               "Long prompts of a decode replica with a Prefill deployment, by outcome: received (blocks taken), "
-               "refused (blocks of another model or layout), failed (the prefill replica failed or timed out: "
-               "prefilled here), cached (this replica's pool already held every full block: not asked).",
-               ("outcome",)),
+               "Long prompts of a decode replica with a Prefill deployment, by outcome: received (blocks "
+               "taken), refused (blocks of another model or layout), corrupt (blocks whose bytes did not match "
+               "their checksums: those and the blocks after them computed here, the others taken), failed (the "
+               "prefill replica failed or timed out: prefilled here), cached (this replica's pool already held "
+               "every full block: not asked).", ("outcome",)),
     MetricSpec("transfer_bytes", "qkv_kv_transfer_bytes_total", "counter",
                "Bytes of KV blocks received from the prefill deployment."),
     MetricSpec("transfer_fetch_time", "qkv_kv_transfer_fetch_seconds_total", "counter",

@@ -55,6 +55,8 @@ class EngineStream:
                 return EngineFailure(400, str(exc))
         if host.prefill is not None:  # prefill/decode disaggregation: the prompt's blocks from the prefill deployment
             await host.prefill.fetch(self._requests)
+        if host.peer_fetch is not None:  # blocks of the prompt another replica's pool holds (kv_remote_fetch)
+            await host.peer_fetch.fetch(self._requests)
         self._sink = host.loop.submit(self._requests)
         host.waiting.add(self._sink)
         return None
@@ -145,6 +147,7 @@ class EngineHost:
         self.loop = EngineLoop(engine, torch_thread)
         self.loop.start()
         self.prefill: Any = None  # a decode replica's RemotePrefill (service/replica/kv_connector.py)
+        self.peer_fetch: Any = None  # its PeerFetch (service/replica/peer_fetch.py)
         self.waiting: set[Sink] = set()  # the sinks of the streams in flight
         self._engine_problem: str | None = None  # what the engine's own check last found (a dead worker)
         self.recent_ttft = TTFTWindow()  # first-token latencies, for the autoscaler (service/autoscaling.py)

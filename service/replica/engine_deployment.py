@@ -46,7 +46,8 @@ from service.host.engine_host import EngineHost
 from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
-from service.replica.kv_connector import KVTransfer, RayObjectStoreConnector, RemotePrefill
+from service.replica.kv_connector import KVTransfer, RayObjectStoreConnector, RemotePrefill, checksummed
+from service.replica.peer_fetch import PeerFetch
 from service.server.api import API_KEY_ENV, IngressSettings, build_api, model_cards
 from service.tenancy.quotas import Quotas
 
@@ -77,13 +78,19 @@ class EngineReplica:
         quotas: Any = None,
         ttft_window_s: float = TTFT_WINDOW_S,
         kv_index: Any = None,
+        kv_remote_fetch: bool = False,
+        kv_remote_fetch_min_tokens: int = 256,
+        kv_remote_fetch_timeout_s: float = 5.0,
     ) -> None:
         """`prefill`: a handle to the `Prefill` deployment (prefill/decode disaggregation): prompts
         of at least `prefill_min_tokens` tokens are prefilled there, each call given up (and the
         prompt prefilled here) after `prefill_timeout_s`.
         `quotas`: a handle to the app's `QuotaLedgerDeployment` (with a keys file).
         `kv_index`: a handle to the app's `KVIndex` deployment (`kv_cache_index`): this replica's KV
-        events go there, under its replica id, with how its engine hashes prompts."""
+        events go there, under its replica id, with how its engine hashes prompts. `kv_remote_fetch`
+        (with `kv_index`): prompts of at least `kv_remote_fetch_min_tokens` tokens take the blocks
+        another replica's pool holds instead of computing them, where that is faster, each fetch
+        given up (and the prompt computed here) after `kv_remote_fetch_timeout_s`."""
         from model.engine.builder import build_engine  # heavy import; keeps this module importable without it
 
         if torch_threads:
@@ -107,6 +114,11 @@ class EngineReplica:
             replica_id = serve.get_replica_context().replica_id.unique_id
             layout = (engine.runtime.block_size, engine.prefix_salt.hex())
             self._host.publish_kv_events(lambda batches: kv_index.publish.remote(replica_id, batches, layout))
+            if kv_remote_fetch:
+                context = serve.get_replica_context()
+                self._host.peer_fetch = PeerFetch(
+                    self._host, kv_index, lambda: serve.get_deployment_handle(context.deployment, context.app_name),
+                    replica_id, kv_remote_fetch_min_tokens, kv_remote_fetch_timeout_s)
         self._connector = RayObjectStoreConnector()  # a prefill replica's side of a transfer
         # The key may be set only where the replicas run (a cluster's environment).
         settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}
@@ -164,7 +176,18 @@ class EngineReplica:
         engine = self._host.engine
         blocks = await self._host.loop.run_between_steps(functools.partial(engine.export_prefix, request.prompt_token_ids,
                                                                            lora))
-        return self._connector.send(blocks)
+        return self._connector.send(await checksummed(blocks))
+
+    async def export_cached(self, route: Any, prompt_token_ids: list[int], lora: str | None = None) -> KVTransfer:
+        """Cross-node prefix fetch, the holder's side: the blocks this replica's pool holds of the
+        prompt's leading full blocks (none, if it evicted them since it told the KV index), with each
+        block's checksum, handed to the connector. `route` (a `ToReplica`) is what the request
+        router sends the call to this replica by. Nothing is computed."""
+        blocks = await self._host.loop.run_between_steps(functools.partial(
+            self._host.engine.export_prefix, list(prompt_token_ids), lora))
+        if isinstance(blocks, EngineFailure):
+            raise RuntimeError(f"the engine is not running ({blocks.status}): {blocks.message}")
+        return self._connector.send(await checksummed(blocks))
 
     def model_info(self, route: Any = None) -> ModelInfo:
         """The served model's facts; `route` (a `ToModel`) is what the request router picks a

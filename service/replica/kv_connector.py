@@ -13,7 +13,7 @@ for the request (`Engine.receive_prefix`), which then finds its prefix cached.
 The connector is the seam where bytes move. `RayObjectStoreConnector` puts the blocks in Ray's
 object store (shared memory on one node, Ray's transfer across nodes); a GPU build can put NIXL
 or CUDA IPC behind the same two calls. A prefill that fails (its replica died, a transfer that
-does not arrive, a timeout) is not the request's failure: the decode replica prefills the prompt
+does not arrive, a timeout, blocks whose bytes do not match their checksums) is not the request's failure: the decode replica prefills the prompt
 itself, so the request is answered as without disaggregation (`qkv_kv_transfers_total{outcome=
 "failed"}` counts them). Neither side keeps blocks for a transfer that did not complete: the
 prefill replica's request ends (or is aborted when the caller goes away) like any other, and the
@@ -23,6 +23,7 @@ decode replica only keeps blocks that arrived whole.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 import ray
 import torch
 
-from model.engine.kv.transfer import KVBlocks
+from model.engine.kv.transfer import KVBlocks, block_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class KVTransfer:
     block_nbytes: int
     namespace: str
     payload: Any  # the connector's: an ObjectRef for RayObjectStoreConnector
+    checksums: list[int] | None = None  # each block's CRC32 (model/engine/kv/transfer.py)
 
     @property
     def nbytes(self) -> int:
@@ -63,14 +65,30 @@ class RayObjectStoreConnector:
     """The blocks' bytes as one object in Ray's object store, owned by the prefill replica."""
 
     def send(self, blocks: KVBlocks) -> KVTransfer:
-        return KVTransfer(blocks.keys, blocks.block_nbytes, blocks.namespace, ray.put(blocks.data.numpy()))
+        return KVTransfer(blocks.keys, blocks.block_nbytes, blocks.namespace, ray.put(blocks.data.numpy()),
+                          blocks.checksums)
 
     async def receive(self, transfer: KVTransfer) -> KVBlocks:
         array = await transfer.payload  # raises if the owner (the prefill replica) died meanwhile
         data = torch.from_numpy(array.copy())  # out of the store: the object may be freed after this
         if data.numel() != transfer.nbytes:
             raise ValueError(f"received {data.numel()} bytes of KV blocks, expected {transfer.nbytes}")
-        return KVBlocks(transfer.keys, data, transfer.block_nbytes, transfer.namespace)
+        return KVBlocks(transfer.keys, data, transfer.block_nbytes, transfer.namespace, transfer.checksums)
+
+
+async def checksummed(blocks: KVBlocks) -> KVBlocks:
+    """`blocks` with each block's CRC32, computed off the event loop (zlib releases the GIL)."""
+    if not blocks.keys:
+        return dataclasses.replace(blocks, checksums=[])
+    return dataclasses.replace(blocks, checksums=await asyncio.to_thread(block_checksums, blocks.data, blocks.block_nbytes))
+
+
+async def verified(blocks: KVBlocks) -> tuple[KVBlocks, int]:
+    """`KVBlocks.verified` off the event loop: the leading blocks whose bytes check out, and how many
+    were dropped."""
+    if blocks.checksums is None or not blocks.keys:
+        return blocks, 0
+    return await asyncio.to_thread(blocks.verified)
 
 
 class RemotePrefill:
@@ -110,8 +128,12 @@ class RemotePrefill:
                            type(exc).__name__, exc, len(prompt))
             metrics.transfers.inc(tags={"outcome": "failed"})
             return
+        blocks, dropped = await verified(blocks)
+        if dropped:
+            logger.warning("%d of %d KV blocks from the prefill deployment did not match their checksums; "
+                           "their tokens are computed here", dropped, dropped + len(blocks.keys))
         taken = await self.host.loop.run_between_steps(functools.partial(self.host.engine.receive_prefix, blocks))
-        metrics.transfers.inc(tags={"outcome": "received" if taken else "refused"})
+        metrics.transfers.inc(tags={"outcome": "corrupt" if dropped else "received" if taken else "refused"})
         if taken:
             metrics.transfer_bytes.inc(blocks.nbytes)
             metrics.transfer_fetch_time.inc(time.perf_counter() - t1)

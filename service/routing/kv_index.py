@@ -94,17 +94,18 @@ class KVIndex:
                 runs[replica] = i + 1
         return runs
 
-    def lookup(self, prompt_token_ids: list[int], lora: str | None = None) -> dict[str, int]:
+    def lookup(self, prompt_token_ids: list[int], lora: str | None = None,
+               tiers: Iterable[str] | None = None) -> dict[str, int]:
         """For each live replica holding the prompt's first full block: how many of its leading full
-        blocks it holds, in any tier, the prompt hashed as that replica's engine hashes it (under
-        `lora`, as the engine salts an adapter's blocks). Replicas that published no layout are not
-        asked about."""
+        blocks it holds, in `tiers` (default any), the prompt hashed as that replica's engine hashes
+        it (under `lora`, as the engine salts an adapter's blocks). Replicas that published no
+        layout are not asked about."""
         self.expire()
         runs: dict[str, int] = {}
         for size, salt in set(self._layout.values()):
             keys = block_hashes(prompt_token_ids, size, sequence_salt(bytes.fromhex(salt), lora))
             same = {r for r, layout in self._layout.items() if layout == (size, salt)}
-            runs.update({r: n for r, n in self._runs(keys).items() if r in same})
+            runs.update({r: n for r, n in self._runs(keys, tiers).items() if r in same})
         return runs
 
     def replicas(self) -> dict[str, int]:

@@ -44,8 +44,9 @@ class KVIndexDeployment:
     async def publish(self, replica: str, batches: list[KVEventBatch], layout: Layout | None = None) -> None:
         self._index.publish(replica, batches, layout)
 
-    async def lookup(self, prompt_token_ids: list[int], lora: str | None = None) -> dict[str, int]:
-        return self._index.lookup(prompt_token_ids, lora)
+    async def lookup(self, prompt_token_ids: list[int], lora: str | None = None,
+                     tiers: list[str] | None = None) -> dict[str, int]:
+        return self._index.lookup(prompt_token_ids, lora, tiers)
 
     async def forget(self, replica: str) -> None:
         self._index.forget(replica)

@@ -86,6 +86,16 @@ class ToModel:
 
 
 @dataclass(frozen=True)
+class ToReplica:
+    """The first argument of a dispatched handle call that must reach one replica, named by its
+    unique id (a replica fetching KV blocks from the peer the KV index says holds them,
+    service/replica/peer_fetch.py). While that replica is not running the call waits; the
+    caller bounds it."""
+
+    replica_unique_id: str
+
+
+@dataclass(frozen=True)
 class _Route:
     """What one request is routed by."""
 
@@ -95,6 +105,7 @@ class _Route:
     model: str | None = None  # only replicas serving this model may take it; None: any
     picked_by: list[str] | None = None  # a pick-only call's out-list: why the router picked
     held: dict[str, int] | None = None  # the KV index's answer (`RoutingPrompt.held`)
+    replica: str | None = None  # a `ToReplica`: that replica only
 
 
 def replica_model(replica: RunningReplica) -> str | None:
@@ -116,6 +127,8 @@ def _route(pending_request: PendingRequest | None) -> _Route:
         return _Route(prompt if isinstance(prompt, list) else None, getattr(first, "lora", None), True,
                       getattr(first, "model", None), picked_by if isinstance(picked_by, list) else None,
                       held if isinstance(held, dict) else None)
+    if not isinstance(first, list) and isinstance(getattr(first, "replica_unique_id", None), str):  # a `ToReplica`
+        return _Route(replica=first.replica_unique_id)
     if not isinstance(first, list) and isinstance(getattr(first, "model", None), str):  # a `ToModel`
         return _Route(model=first.model)
     if isinstance(first, list) and first:  # generate(list[SubRequest]): the choices share the prompt
@@ -224,6 +237,9 @@ class PrefixAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         route = _route(pending_request)
+        if route.replica is not None:
+            target = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
+            return [target] if target else []
         if route.model is not None:  # a multi-model deployment: that model's replicas only
             candidate_replicas = [r for r in candidate_replicas if replica_model(r) == route.model]
         if not candidate_replicas:

@@ -63,7 +63,7 @@ def test_a_prefix_computed_behind_the_routers_back_draws_its_requests(url: str) 
     held = wait_until(lambda: (h := index_held()) and any(h.values()) and h, 30, "the index to learn the blocks")
     [holder] = [r for r, n in held.items() if n > 0]
     # Ray's metrics endpoint: the events the holder sent, the index's size.
-    wait_until(lambda: metric_sum(scrape(METRICS_URL), "ray_qkv_kv_events_published_total", replica=holder) > 0
+    wait_until(lambda: metric_sum(scrape(METRICS_URL), "ray_qkv_kv_events_total", replica=holder) > 0
                and metric_sum(scrape(METRICS_URL), "ray_qkv_kv_index_blocks") >= held[holder], 60,
                "the KV events and the index's size on Ray's metrics endpoint")
     before = len(router_picks())

@@ -256,11 +256,13 @@ def answers(url: str) -> bool:
 WORKERS = ("a", "b")
 
 
-def serving_config(model: Path, http_port: int, per_worker: int = 1, kv_cache_index: bool = True) -> dict[str, Any]:
+def serving_config(model: Path, http_port: int, per_worker: int = 1, kv_cache_index: bool = True,
+                   app_args: dict[str, Any] | None = None) -> dict[str, Any]:
     """`per_worker` engine replicas on each worker; `kv_cache_index` off: the router goes by its own
-    record of where it sent prefixes."""
+    record of where it sent prefixes; `app_args` add to (or replace) the app's arguments."""
     args = {"model": str(model), "num_replicas": per_worker * len(WORKERS), "max_num_seqs": 8, "block_size": 16,
-            "engine_num_cpus": 0.5, "router_num_cpus": 0.1, "torch_threads": 1, "kv_cache_index": kv_cache_index}
+            "engine_num_cpus": 0.5, "router_num_cpus": 0.1, "torch_threads": 1, "kv_cache_index": kv_cache_index,
+            **(app_args or {})}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port},
             "applications": [{
                 "name": "qkv", "route_prefix": "/", "import_path": "service.app:build_app", "args": args,
@@ -273,7 +275,7 @@ def serving_config(model: Path, http_port: int, per_worker: int = 1, kv_cache_in
 
 
 def start_serving_cluster(model: Path, base_port: int, http_port: int, per_worker: int = 1,
-                          kv_cache_index: bool = True) -> RayNodes:
+                          kv_cache_index: bool = True, app_args: dict[str, Any] | None = None) -> RayNodes:
     """Start the nodes, deploy, and wait until HAProxy serves a completion; stopped again on failure."""
     nodes = RayNodes(base_port, system_config={"metrics_report_interval_ms": 1000})
     try:
@@ -282,7 +284,7 @@ def start_serving_cluster(model: Path, base_port: int, http_port: int, per_worke
         nodes.add("head", {"qkv_head": 1}, num_cpus=2, head=True)
         for name in WORKERS:
             nodes.add(name, {"qkv_engine_slot": per_worker}, num_cpus=2)
-        nodes.deploy(serving_config(model, http_port, per_worker, kv_cache_index))
+        nodes.deploy(serving_config(model, http_port, per_worker, kv_cache_index, app_args))
         want = {w: per_worker for w in WORKERS}
         try:
             wait_until(lambda: engines_running(nodes) == want, 300, f"engine replicas running: {want}", every_s=2)
@@ -305,6 +307,28 @@ def engines_running(nodes: RayNodes) -> dict[str, int]:
         for node in filter(None, map(where.get, running)):
             found[node] = found.get(node, 0) + 1
     return found
+
+
+def replica_urls(nodes: RayNodes) -> dict[str, str]:
+    """Node name -> the base URL of the HTTP edge of the engine replica running there (one per
+    worker): the replica process's listening port that answers `/v1/models`. A request sent there
+    skips HAProxy and the router, as a test that wants a given replica must."""
+    where = nodes.node_by_pid()
+    urls: dict[str, str] = {}
+    for replica in nodes.replicas("qkv", "EngineDeployment"):
+        node = where.get(replica.get("pid"))
+        if replica.get("state") != "RUNNING" or node is None:
+            continue
+        ports = sorted({c.laddr.port for c in psutil.Process(replica["pid"]).net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN})
+        for port in ports:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).ok:
+                    urls[node] = f"http://127.0.0.1:{port}"
+                    break
+            except requests.RequestException:
+                continue
+    return urls
 
 
 def index_replicas(nodes: RayNodes) -> float | None:

@@ -13,11 +13,17 @@ into the pool when the request is admitted: its prefix runs through them as thro
 computed itself. The decode engine computes the rest (the last partial block and at least the
 prompt's last token) and samples the first token itself, so its tokens are those of colocated
 serving.
+
+The same blocks serve a cross-node prefix fetch (service/replica/peer_fetch.py): a replica takes
+from a peer the blocks the peer's pool holds of a prompt. Either way each block travels with the
+CRC32 of its bytes (`block_checksums`), and the receiver keeps the leading blocks that check out
+(`KVBlocks.verified`): a block damaged on the way, and every block after it, is recomputed.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,10 +41,33 @@ class KVBlocks:
     data: torch.Tensor  # uint8, on the host
     block_nbytes: int
     namespace: str
+    checksums: list[int] | None = None  # CRC32 of each block's bytes, by the sender (None: not checked)
 
     @property
     def nbytes(self) -> int:
         return len(self.keys) * self.block_nbytes
+
+    def verified(self) -> tuple[KVBlocks, int]:
+        """These blocks up to the first whose bytes do not match its checksum (or are missing), and
+        how many were dropped: a prefix must run through whole, computed blocks only."""
+        if self.checksums is None:
+            return self, 0
+        good, n = 0, self.block_nbytes
+        if len(self.checksums) == len(self.keys) and self.data.numel() == self.nbytes:
+            array = self.data.numpy()
+            while good < len(self.keys) and zlib.crc32(array[good * n:(good + 1) * n]) == self.checksums[good]:
+                good += 1
+        if good == len(self.keys):
+            return self, 0
+        kept = KVBlocks(self.keys[:good], self.data[:good * n], n, self.namespace, self.checksums[:good])
+        return kept, len(self.keys) - good
+
+
+def block_checksums(data: torch.Tensor, block_nbytes: int) -> list[int]:
+    """The CRC32 of each `block_nbytes` of `data` (host, uint8), as `KVBlocks.verified` checks them.
+    zlib releases the GIL for a buffer this large, so a caller may run it on a thread."""
+    array = data.numpy()
+    return [zlib.crc32(array[i:i + block_nbytes]) for i in range(0, array.size, block_nbytes)]
 
 
 class IncomingBlocks:

@@ -146,3 +146,14 @@ def test_duplicate_request_id_and_oversized_request_are_rejected() -> None:
         engine.add_request("x", [1], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="needs 7 KV blocks but the pool has 4"):
         engine.add_request("y", [1] * 50, SamplingParams(max_tokens=50))
+
+
+def test_the_engine_measures_what_a_prompt_token_costs() -> None:
+    """What a cross-node prefix fetch is weighed against (service/replica/peer_fetch.py)."""
+    llm = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=64))
+    one = SamplingParams(max_tokens=1)
+    assert llm.engine.prefill_seconds_per_token is None
+    llm.generate([[7] * 40], [one])  # a step of 40 tokens is too small to measure by
+    assert llm.engine.prefill_seconds_per_token is None
+    llm.generate([[7] * 300], [one])
+    assert llm.engine.prefill_seconds_per_token is not None and llm.engine.prefill_seconds_per_token > 0

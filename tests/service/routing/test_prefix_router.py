@@ -241,6 +241,24 @@ def test_a_call_that_names_a_model_goes_to_that_models_replicas_only() -> None:
     asyncio.run(scenario())
 
 
+def test_a_call_that_names_a_replica_goes_to_that_replica_or_waits_for_it() -> None:
+    """A replica fetching KV blocks from a peer (service/replica/peer_fetch.py) names it: whatever
+    the loads and prefixes, that replica only, and none while it is not among the running ones."""
+    from service.routing.router import ToReplica
+
+    async def scenario() -> None:
+        r = router()
+        a, b, c = reps = replicas("a", "b", "c")
+        a.routing_stats, b.routing_stats = {"num_requests": 50}, {"num_requests": 0}
+        call = SimpleNamespace(args=[ToReplica("a"), PREFIX, None], kwargs={},
+                               metadata=SimpleNamespace(internal_request_id="x"))
+        for _ in range(5):
+            assert ids(await r.choose_replicas(reps, call)) == [["a"]]
+        assert await r.choose_replicas([b, c], call) == []
+
+    asyncio.run(scenario())
+
+
 def test_with_the_kv_index_answer_the_router_goes_by_what_the_engines_hold() -> None:
     """`RoutingPrompt.held` (the KV index's answer, service/routing/prefix_route.py): the replica
     that holds the longest run wins, though this router sent the prefix elsewhere; an empty answer
