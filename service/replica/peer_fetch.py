@@ -30,16 +30,25 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from service.replica.kv_connector import KVConnector, RayObjectStoreConnector, verified
-from service.routing.router import ToReplica
 
 logger = logging.getLogger(__name__)
 
 INDEX_TIMEOUT_S = 0.25  # the index is a hint: a lookup that takes longer is skipped (computed here)
 PEER_BACKOFF_S = 10.0  # a peer that failed is not asked again for this long (the index's ttl)
 LINK_WEIGHT = 0.3  # the latest fetch's weight in the measured link rate
+
+
+@dataclass(frozen=True)
+class ToReplica:
+    """The first argument of a handle call to the engine deployment that must reach one replica,
+    named by its unique id: the prefix router (service/routing/router.py) sends it there, and to no
+    other; while that replica is not running, the call waits (bounded here by `timeout_s`)."""
+
+    replica_unique_id: str
 
 
 class FetchCost:

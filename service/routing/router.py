@@ -86,16 +86,6 @@ class ToModel:
 
 
 @dataclass(frozen=True)
-class ToReplica:
-    """The first argument of a dispatched handle call that must reach one replica, named by its
-    unique id (a replica fetching KV blocks from the peer the KV index says holds them,
-    service/replica/peer_fetch.py). While that replica is not running the call waits; the
-    caller bounds it."""
-
-    replica_unique_id: str
-
-
-@dataclass(frozen=True)
 class _Route:
     """What one request is routed by."""
 
@@ -105,7 +95,7 @@ class _Route:
     model: str | None = None  # only replicas serving this model may take it; None: any
     picked_by: list[str] | None = None  # a pick-only call's out-list: why the router picked
     held: dict[str, int] | None = None  # the KV index's answer (`RoutingPrompt.held`)
-    replica: str | None = None  # a `ToReplica`: that replica only
+    replica: str | None = None  # a `ToReplica` (service/replica/peer_fetch.py): that replica only
 
 
 def replica_model(replica: RunningReplica) -> str | None:
@@ -127,7 +117,9 @@ def _route(pending_request: PendingRequest | None) -> _Route:
         return _Route(prompt if isinstance(prompt, list) else None, getattr(first, "lora", None), True,
                       getattr(first, "model", None), picked_by if isinstance(picked_by, list) else None,
                       held if isinstance(held, dict) else None)
-    if not isinstance(first, list) and isinstance(getattr(first, "replica_unique_id", None), str):  # a `ToReplica`
+    # A `ToReplica` (service/replica/peer_fetch.py): the call must reach that replica; while it is not
+    # among the running ones, none is chosen (the call waits, and its caller bounds the wait).
+    if not isinstance(first, list) and isinstance(getattr(first, "replica_unique_id", None), str):
         return _Route(replica=first.replica_unique_id)
     if not isinstance(first, list) and isinstance(getattr(first, "model", None), str):  # a `ToModel`
         return _Route(model=first.model)

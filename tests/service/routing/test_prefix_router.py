@@ -244,7 +244,7 @@ def test_a_call_that_names_a_model_goes_to_that_models_replicas_only() -> None:
 def test_a_call_that_names_a_replica_goes_to_that_replica_or_waits_for_it() -> None:
     """A replica fetching KV blocks from a peer (service/replica/peer_fetch.py) names it: whatever
     the loads and prefixes, that replica only, and none while it is not among the running ones."""
-    from service.routing.router import ToReplica
+    from service.replica.peer_fetch import ToReplica
 
     async def scenario() -> None:
         r = router()
