@@ -104,8 +104,13 @@ class RayNodes:
     """A head and named workers on loopback: the cluster's ports are `base_port` (the GCS), the next
     (the dashboard), and a block of 50 per node from `base_port` + 10 (three nodes: up to + 159)."""
 
-    def __init__(self, base_port: int, system_config: dict[str, Any] | None = None) -> None:
+    def __init__(self, base_port: int, system_config: dict[str, Any] | None = None,
+                 redis_address: str | None = None) -> None:
+        """`redis_address` (host:port): the head's GCS keeps its state there (GCS fault tolerance),
+        so a head started again after `kill("head")` takes the cluster back, workers and actors
+        included."""
         self.base_port = base_port
+        self.redis_address = redis_address
         self.gcs_port, self.dashboard_port = base_port, base_port + 1
         self.system_config = system_config or {}
         self.nodes: dict[str, Node] = {}
@@ -164,7 +169,18 @@ class RayNodes:
                f"--min-worker-port={node.worker_ports[0]}", f"--max-worker-port={node.worker_ports[1]}"]
         if not node.is_head:
             cmd += [f"--address=127.0.0.1:{self.gcs_port}", f"--dashboard-agent-listen-port={node.metrics_port + 2}"]
-        done = subprocess.run(cmd, env=self.env(), cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
+        env = self.env()
+        if node.is_head:
+            # `ray start --head` refuses a port that the address file of its temp dir names while any
+            # local process still names that address: after `kill("head")`, the workers' raylets do.
+            (node.temp_dir / "ray_current_cluster").unlink(missing_ok=True)
+        if self.redis_address is not None:
+            # Workers wait this long for a lost GCS before they give up (Ray's default: 60 s).
+            env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "120"
+            if node.is_head:
+                env |= {"RAY_REDIS_ADDRESS": self.redis_address,
+                        "RAY_external_storage_namespace": f"qkv-test-{self.base_port}"}
+        done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
         assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         if node.is_head:
             wait_until(lambda: answers(f"{self.dashboard}/api/version"), 90, f"the head's dashboard ({node.temp_dir})")
@@ -275,9 +291,11 @@ def serving_config(model: Path, http_port: int, per_worker: int = 1, kv_cache_in
 
 
 def start_serving_cluster(model: Path, base_port: int, http_port: int, per_worker: int = 1,
-                          kv_cache_index: bool = True, app_args: dict[str, Any] | None = None) -> RayNodes:
-    """Start the nodes, deploy, and wait until HAProxy serves a completion; stopped again on failure."""
-    nodes = RayNodes(base_port, system_config={"metrics_report_interval_ms": 1000})
+                          kv_cache_index: bool = True, app_args: dict[str, Any] | None = None,
+                          redis_address: str | None = None) -> RayNodes:
+    """Start the nodes, deploy, and wait until HAProxy serves a completion; stopped again on failure.
+    `redis_address`: the head's GCS keeps its state there (GCS fault tolerance)."""
+    nodes = RayNodes(base_port, system_config={"metrics_report_interval_ms": 1000}, redis_address=redis_address)
     try:
         # Two logical CPUs per node: a raylet starts at most that many worker processes at once
         # (one would queue the head's controller, proxy, router and index behind each other).
