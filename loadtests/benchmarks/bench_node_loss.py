@@ -30,19 +30,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from loadtests.lib.polling import first_time  # noqa: E402
 from loadtests.lib.results import add_result_args, print_table, write_result  # noqa: E402
 
 BASE_PORT, HTTP_PORT = 19100, 19090  # the cluster's ports: 19100-19259 (tests/support/ray_nodes.py)
-
-
-def first_time(probe: Any, timeout_s: float, every_s: float = 0.25) -> float | None:
-    """Seconds until `probe()` is true (polled), or None past `timeout_s`."""
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if probe():
-            return time.time() - t0
-        time.sleep(every_s)
-    return None
 
 
 def one_loss(nodes: Any, victim: str, args: argparse.Namespace) -> dict[str, Any]:
