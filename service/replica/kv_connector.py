@@ -12,12 +12,15 @@ for the request (`Engine.receive_prefix`), which then finds its prefix cached.
 
 The connector is the seam where bytes move. `RayObjectStoreConnector` puts the blocks in Ray's
 object store (shared memory on one node, Ray's transfer across nodes); a GPU build can put NIXL
-or CUDA IPC behind the same two calls. A prefill that fails (its replica died, a transfer that
-does not arrive, a timeout, blocks whose bytes do not match their checksums) is not the request's failure: the decode replica prefills the prompt
-itself, so the request is answered as without disaggregation (`qkv_kv_transfers_total{outcome=
-"failed"}` counts them). Neither side keeps blocks for a transfer that did not complete: the
-prefill replica's request ends (or is aborted when the caller goes away) like any other, and the
-decode replica only keeps blocks that arrived whole.
+or CUDA IPC behind the same two calls. A replica fetching a prefix from another replica
+(service/replica/peer_fetch.py) uses the same connector. A prefill that fails (its replica died,
+a transfer that does not arrive, a timeout) is not the request's failure: the decode replica
+prefills the prompt itself, so the request is answered as without disaggregation
+(`qkv_kv_transfers_total{outcome="failed"}` counts them). Each block travels with its CRC32
+(`checksummed`); the decode replica keeps the leading blocks that check out (`verified`) and
+computes the rest (`outcome="corrupt"`). Neither side keeps blocks for a transfer that did not
+complete: the prefill replica's request ends (or is aborted when the caller goes away) like any
+other, and the decode replica only keeps blocks that arrived whole.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ async def checksummed(blocks: KVBlocks) -> KVBlocks:
     """`blocks` with each block's CRC32, computed off the event loop (zlib releases the GIL)."""
     if not blocks.keys:
         return dataclasses.replace(blocks, checksums=[])
-    return dataclasses.replace(blocks, checksums=await asyncio.to_thread(block_checksums, blocks.data, blocks.block_nbytes))
+    checksums = await asyncio.to_thread(block_checksums, blocks.data, blocks.block_nbytes)
+    return dataclasses.replace(blocks, checksums=checksums)
 
 
 async def verified(blocks: KVBlocks) -> tuple[KVBlocks, int]:

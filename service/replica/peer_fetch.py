@@ -132,9 +132,8 @@ class PeerFetch:
     async def _take(self, peer: str, prompt: list[int], lora: str | None) -> None:
         metrics = self.host.metrics
         t0 = time.perf_counter()
-        try:
-            transfer = await asyncio.wait_for(self._export(peer, prompt, lora), self.timeout_s)
-            blocks = await asyncio.wait_for(self.connector.receive(transfer), self.timeout_s)
+        try:  # one bound for the peer's export and the move of its bytes
+            blocks = await asyncio.wait_for(self._export_and_receive(peer, prompt, lora), self.timeout_s)
         except asyncio.CancelledError:  # the caller went away
             raise
         except asyncio.TimeoutError:
@@ -165,10 +164,11 @@ class PeerFetch:
         metrics.remote_fetch_bytes.inc(blocks.nbytes)
         metrics.remote_fetch_time.observe(seconds)
 
-    async def _export(self, peer: str, prompt: list[int], lora: str | None) -> Any:
+    async def _export_and_receive(self, peer: str, prompt: list[int], lora: str | None) -> Any:
         if self._handle is None:
             self._handle = self._peers()
-        return await self._handle.export_cached.remote(ToReplica(peer), prompt, lora)
+        transfer = await self._handle.export_cached.remote(ToReplica(peer), prompt, lora)
+        return await self.connector.receive(transfer)
 
     def _fallback(self, peer: str, reason: str, shun: bool = False) -> None:
         self.host.metrics.remote_fetch_fallbacks.inc(tags={"reason": reason})
