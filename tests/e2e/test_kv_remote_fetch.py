@@ -5,8 +5,7 @@ and b with one engine replica each.
 A prompt computed by the replica on a, then sent to the replica on b (straight to its HTTP edge,
 past the router that would send it to a), is answered from blocks b fetched from a across the
 nodes, with the tokens a computed. Then a prompt a holds is sent to b just after node a is killed:
-the fetch cannot be delivered, b computes the prompt itself, answers it with a's tokens, and counts
-the fallback.
+no block can come, and b computes the prompt itself and answers it with a's tokens.
 """
 
 from __future__ import annotations
@@ -82,7 +81,12 @@ def test_a_prefix_computed_on_one_node_is_fetched_by_the_other_and_a_lost_peer_i
     wait_until(lambda: counter(nodes, "b", "ray_qkv_prefix_cache_hits_total") >= 10 * 16, 30,
                "b to count the prompt tokens it found in its cache")
 
-    # The peer goes away after the index heard of its blocks: b computes the prompt itself.
+    # The peer goes away after the index heard of its blocks: b computes the prompt itself, and
+    # takes no block. Whether b first asked the dead peer (and counted a fallback) is not asserted:
+    # one run of five counted none, not diagnosed (an index lookup past its 0.25 s budget, or the
+    # cost model, makes no fetch and counts nothing). tests/service/replica/test_peer_fetch.py
+    # counts each fallback deterministically.
+    fetched = counter(nodes, "b", "ray_qkv_kv_remote_fetch_blocks_total")
     second = text(2)
     expected = held_by_a(nodes, urls["a"], second)
     killed, _ = nodes.kill("a")
@@ -90,5 +94,5 @@ def test_a_prefix_computed_on_one_node_is_fetched_by_the_other_and_a_lost_peer_i
     t0 = time.monotonic()
     assert complete(urls["b"], second) == expected
     assert time.monotonic() - t0 < 60
-    wait_until(lambda: counter(nodes, "b", "ray_qkv_kv_remote_fetch_fallbacks_total") >= 1, 30,
-               "b to count the fetch that fell back")
+    time.sleep(3)  # b's counters reach its node's endpoint within Ray's report interval
+    assert counter(nodes, "b", "ray_qkv_kv_remote_fetch_blocks_total") == fetched
