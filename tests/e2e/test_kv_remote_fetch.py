@@ -83,7 +83,7 @@ def test_a_prefix_computed_on_one_node_is_fetched_by_the_other_and_a_lost_peer_i
 
     # The peer goes away after the index heard of its blocks: b computes the prompt itself, and
     # takes no block. Whether b first asked the dead peer (and counted a fallback) is not asserted:
-    # one run of five counted none, not diagnosed (an index lookup past its 0.25 s budget, or the
+    # one of four runs counted none, not diagnosed (an index lookup past its 0.25 s budget, or the
     # cost model, makes no fetch and counts nothing). tests/service/replica/test_peer_fetch.py
     # counts each fallback deterministically.
     fetched = counter(nodes, "b", "ray_qkv_kv_remote_fetch_blocks_total")
