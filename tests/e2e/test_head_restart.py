@@ -27,7 +27,7 @@ import requests
 
 from tests.support.ray_nodes import RayNodes, replica_urls, start_serving_cluster
 from tests.support.redis_server import RedisServer
-from tests.support.requirements import in_ci
+from tests.support.requirements import required
 from tests.support.serve_fixtures import wait_until, write_tiny_model
 from tests.support.stream_load import StreamLoad
 
@@ -38,19 +38,10 @@ CLIENTS, MAX_TOKENS = 2, 32  # per replica
 HEAD_DOWN_S = 5.0  # how long the head stays down before it is started again
 
 
-def require_redis() -> None:
-    """Skip locally, fail in CI, when redis-server is missing."""
-    if shutil.which("redis-server"):
-        return
-    msg = "redis-server not installed (apt-get install redis-server; .ci/run does it)"
-    if in_ci():
-        pytest.fail(msg)
-    pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    require_redis()
+    required(shutil.which("redis-server") is not None,
+             "redis-server not installed (apt-get install redis-server; .ci/run does it)")
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     with RedisServer(REDIS_PORT, tmp_path_factory.mktemp("redis")) as redis:
         cluster = start_serving_cluster(model, BASE_PORT, HTTP_PORT, redis_address=redis.address)

@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from tests.support.prom_server import DEPLOY_CONFIG, PrometheusServer, config_for_session, promtool_check
-from tests.support.requirements import in_ci
+from tests.support.requirements import required
 from tests.support.serve_fixtures import REPO, send_completion, send_concurrently, serve_on_local_ray, wait_until, \
     write_tiny_model
 
@@ -38,12 +38,8 @@ DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "qkv-serve.json"
 
 def require_prometheus() -> None:
     """Skip locally, fail in CI, when the Prometheus binaries are missing."""
-    if shutil.which("prometheus") and shutil.which("promtool"):
-        return
-    msg = "prometheus/promtool not installed (apt-get install prometheus; .ci/run does it)"
-    if in_ci():
-        pytest.fail(msg)
-    pytest.skip(msg)
+    required(bool(shutil.which("prometheus") and shutil.which("promtool")),
+             "prometheus/promtool not installed (apt-get install prometheus; .ci/run does it)")
 
 
 @pytest.fixture(scope="module")
