@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support.serve_fixtures import engine_replica_ids, router_picks, scrape, send_completion, \
+from tests.support.serve_fixtures import engine_replica_ids, engine_replica_ports, router_picks, scrape, send_completion, \
     serve_on_local_ray, wait_until, write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -73,6 +73,11 @@ def per_replica(name: str) -> Counter[str]:
 
 
 def test_the_second_request_with_a_long_prompt_reports_cached_tokens(url: str) -> None:
+    """Sent to one replica's own HTTP edge: through HAProxy the second request may rightly land on
+    the other replica (HAProxy balances by itself when the router is slow to answer, as under a
+    loaded CI machine), and report 0."""
+    ports = wait_until(lambda: (p := engine_replica_ports()) and len(p) == 2 and p, 60, "HAProxy to list both replicas")
+    url = f"http://127.0.0.1:{ports[0]}"
     prompt = "Story time. " + SYSTEM
     first = complete(url, prompt)
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
