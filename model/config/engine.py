@@ -63,8 +63,9 @@ class EngineConfig:
                                             "baseline for benchmarks only.")
     enable_prefix_caching: bool = described(True, "Reuse the K/V of full blocks whose tokens (and all before "
                                                   "them) an earlier request computed.")
-    enable_kv_cache_events: bool = described(False, "Record the prefix-cache blocks the pool stores and removes, "
-                                                     "by block hash (vLLM's KV events: BlockStored, BlockRemoved), "
+    enable_kv_cache_events: bool = described(False, "Record the prefix-cache blocks the pool and the offload tier "
+                                                     "store and remove, by block hash and tier (vLLM's KV events: "
+                                                     "BlockStored, BlockRemoved), "
                                                      "for `Engine.drain_kv_events` to hand on once per step. Needs "
                                                      "prefix caching.")
     kv_offload_bytes: int = described(0, "Bytes of the prefix cache's second tier: cached blocks evicted from "

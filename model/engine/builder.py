@@ -110,14 +110,16 @@ def build_parts(model: str, engine_config: EngineConfig | None = None, device: s
     salt = f"{model}|{cfg!r}|{dt}".encode()
     kv_namespace = namespace(salt, [(tuple(t.shape[1:]), str(t.dtype)) for t in pool])
     caching = ec.enable_prefix_caching and ec.enable_kv_cache
-    offload = KVOffload(pool, ec.kv_offload_bytes, ec.kv_offload_dir) if ec.kv_offload_bytes and pool else None
+    events = KVEventLog() if ec.enable_kv_cache_events and caching else None
+    offload = (KVOffload(pool, ec.kv_offload_bytes, ec.kv_offload_dir, events, ec.block_size)
+               if ec.kv_offload_bytes and pool else None)
     share = (SharedTier(pool, ec.kv_share_dir, ec.kv_share_bytes, kv_namespace)
              if ec.kv_share_dir is not None and pool else None)
     incoming = IncomingBlocks(PoolBlocks(pool)) if caching and pool else None
     tiers = [t for t in (incoming, offload, share) if t is not None]
     blocks = BlockManager(num_blocks, ec.block_size, enable_prefix_caching=caching, salt=salt,
                           tier=tiers[0] if len(tiers) == 1 else Tiers(*tiers) if tiers else None,
-                          events=KVEventLog() if ec.enable_kv_cache_events and caching else None)
+                          events=events)
     eos = frozenset(tokenizer.eos_token_ids)
     parts = EngineParts(
         config=ec, model_name=model, device=dev, dtype=dt, kv_cache_dtype=kv_dtype, model_config=cfg,

@@ -181,29 +181,44 @@ class Engine:
             self._admit_lora()
 
     def export_prefix(self, prompt_token_ids: list[int], lora: str | None = None) -> KVBlocks:
-        """The KV blocks of the prompt's leading full blocks still cached in the pool, for another
-        engine of the same model to decode from (prefill/decode disaggregation). Between steps."""
+        """The KV blocks of the prompt's leading full blocks still cached, for another engine of the
+        same model to continue from (prefill/decode disaggregation, a peer's prefix fetch): those
+        in the pool, then those the offload tiers hold after them. Between steps."""
         if self.incoming is None:
             raise ValueError("exporting KV blocks needs prefix caching")
         keys, run = self.scheduler.blocks.cached_prefix(prompt_token_ids, lora)
         pool = self.incoming.pool
-        return KVBlocks(keys[:len(run)], pool.copy_out_many(run), pool.block_nbytes, self.kv_namespace)
+        parts = [pool.copy_out_many(run)]
+        tiers = [t for t in (self.kv_offload, self.kv_share) if t is not None]
+        for key in keys[len(run):] if tiers else ():
+            block = next((b for t in tiers if (b := t.read(key)) is not None), None)
+            if block is None:
+                break
+            parts.append(block)
+        data = parts[0] if len(parts) == 1 else torch.cat(parts)  # a copy: tier buffers are reused
+        return KVBlocks(keys[:len(run) + len(parts) - 1], data, pool.block_nbytes, self.kv_namespace)
 
     def drain_kv_events(self) -> KVEventBatch | None:
-        """The prefix-cache changes of the pool since the last call, as one batch (None: none, or
-        `enable_kv_cache_events` off). Between steps, from the step thread."""
+        """The prefix-cache changes of the pool and the offload tier since the last call, as one batch
+        (None: none, or `enable_kv_cache_events` off). Between steps, from the step thread."""
         events = self.scheduler.blocks.events
         return None if events is None else events.drain()
 
     def cached_prefix_blocks(self, prompt_token_ids: list[int], lora: str | None = None) -> tuple[int, int]:
-        """(leading full blocks of the prompt in the pool now, full blocks it has). Reads only, so a
+        """(leading full blocks of the prompt in the pool now, or in the tiers after the pool's run
+        (loaded from there, not computed), and the full blocks it has). Reads only, so a
         caller off the step thread may ask (a decode replica deciding whether to fetch a prefill):
         the answer may be stale by the time the prompt is admitted, which costs time, not tokens."""
         blocks = self.scheduler.blocks
         if not blocks.enable_prefix_caching:
             return 0, len(prompt_token_ids) // blocks.block_size
         keys, run = blocks.cached_prefix(prompt_token_ids, lora)
-        return len(run), len(keys)
+        held = len(run)
+        tiers = [t for t in (self.kv_offload, self.kv_share) if t is not None]
+        # the run goes on with what the offload tiers hold (loaded, not computed)
+        while held < len(keys) and any(t.has(keys[held]) for t in tiers):
+            held += 1
+        return held, len(keys)
 
     def receive_prefix(self, blocks: KVBlocks) -> bool:
         """Keep blocks another engine exported until the request they are for is admitted: its

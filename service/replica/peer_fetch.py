@@ -1,15 +1,16 @@
-"""Cross-node prefix fetch (`kv_remote_fetch`, with `kv_cache_index`): a replica whose own pool
-misses a prompt's leading blocks that another replica's pool holds takes those blocks from it
-instead of computing them, when that is faster (docs/features/prefix-caching.md).
+"""Cross-node prefix fetch (`kv_remote_fetch`, with `kv_cache_index`): a replica whose own tiers
+miss a prompt's leading blocks that another replica holds (in its pool or its offload tier) takes
+those blocks from it instead of computing them, when that is faster
+(docs/features/prefix-caching.md).
 
 Before a request with at least `min_tokens` prompt tokens is queued, the replica compares what
-its pool holds of the prompt (`Engine.cached_prefix_blocks`) with what the app's KV index says
-each replica's pool holds (`KVIndex.lookup`, tier "pool"). Where a peer holds more, the extra
+its pool and tiers hold of the prompt (`Engine.cached_prefix_blocks`) with what the app's KV index
+says each replica holds in any tier it reports (`KVIndex.lookup`). Where a peer holds more, the extra
 blocks are fetched if moving their bytes at the link rate measured so far takes less time than
 computing their tokens at this engine's measured prefill rate (with neither measured yet, the
 first fetch measures the link). The peer is called through the engine deployment's handle,
 addressed by its replica id (`ToReplica`, which the prefix router honours); it exports what its
-pool still holds of the prompt between two steps (`Engine.export_prefix`), with each block's
+pool and tiers still hold of the prompt between two steps (`Engine.export_prefix`), with each block's
 CRC32, into the same connector as prefill/decode transfers (service/replica/kv_connector.py:
 Ray's object store, which moves the bytes between nodes). The blocks are named by the same
 prefix hashes and namespace as computed ones, so they are bit-for-bit what this engine would
@@ -110,7 +111,7 @@ class PeerFetch:
         if held >= usable:
             return
         try:
-            runs = await asyncio.wait_for(self.kv_index.lookup.remote(prompt, lora, ["pool"]), INDEX_TIMEOUT_S)
+            runs = await asyncio.wait_for(self.kv_index.lookup.remote(prompt, lora), INDEX_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 (a hint: the prompt is computed here)
             logger.debug("the KV index did not answer (%s); computing the prompt here", type(exc).__name__)
             return

@@ -3,12 +3,16 @@ hash, collected between two drains (one per engine step): the shape of vLLM's KV
 (BlockStored, BlockRemoved, AllBlocksCleared in a batch with a timestamp), which an index of what
 every replica holds (llm-d's, NVIDIA Dynamo's) routes on. No torch.
 
-`medium` says which tier holds the block: "pool" (the device's paged pool; the tiers below it
-do not report yet).
+`medium` says which tier holds the block: "pool" (the device's paged pool), "host" or "disk" (the
+engine's own offload tier, kv_offload_bytes, in host memory or in a file under kv_offload_dir).
+The tier a node's replicas share (kv_share_dir) does not report: any engine of the node removes
+its files, so no one engine knows what it holds; the prefix router reads that directory instead.
+The offload tier's writer thread reports removals too, so the log takes a lock.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,14 +60,16 @@ class KVEventLog:
     """Events since the last `drain`, in the order they happened."""
 
     pending: list[KVEvent] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, event: KVEvent) -> None:
-        self.pending.append(event)
+        with self._lock:
+            self.pending.append(event)
 
     def drain(self) -> KVEventBatch | None:
         """The events since the last drain as one batch, or None when there were none."""
-        if not self.pending:
-            return None
-        batch = KVEventBatch(time.time(), tuple(self.pending))
-        self.pending = []
-        return batch
+        with self._lock:
+            if not self.pending:
+                return None
+            events, self.pending = tuple(self.pending), []
+        return KVEventBatch(time.time(), events)

@@ -15,6 +15,11 @@ tier keeps a CRC32 of each slot and checks it on every read: a slot that does no
 written (a disk error, a file changed underneath) is dropped with a warning and its tokens are
 recomputed, never used. A write that fails (the disk is full) drops that block the same way.
 The file is unlinked as soon as it is opened: it takes no space after the process ends.
+
+With KV events on (`events`), the tier reports what it holds as the pool does, under the medium
+"host" or "disk": a block stored when it is saved (it can be loaded from then on, from its staging
+buffer until written), removed when the tier evicts or drops it. A peer exports from the tier
+too (`read`), so the cluster's index may point another replica at a block that is here only.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from model.engine.kv.events import BlockRemoved, BlockStored, KVEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +186,13 @@ class WriterTier:
 class KVOffload(WriterTier):
     """The tier over the pool `tensors` (every layer's K and V pools; dim 0 is the block)."""
 
-    def __init__(self, tensors: list[torch.Tensor], capacity_bytes: int, directory: str | None = None) -> None:
+    def __init__(self, tensors: list[torch.Tensor], capacity_bytes: int, directory: str | None = None,
+                 events: KVEventLog | None = None, block_size: int = 0) -> None:
+        """`events`: where to report the blocks stored and removed (None: not reported);
+        `block_size`: tokens per block, for those reports."""
         super().__init__(tensors, "kv-offload-writer")
+        self.events, self.block_size = events, block_size
+        self.medium = "host" if directory is None else "disk"
         self.num_slots = capacity_bytes // self.block_nbytes
         if self.num_slots < 1:
             raise ValueError(f"kv_offload_bytes={capacity_bytes} is smaller than one KV block "
@@ -211,6 +223,8 @@ class KVOffload(WriterTier):
             self._crc[slot] = None
             data = self.pool.copy_out(block)
             self._staged[key] = data
+            if self.events is not None:  # under the lock: in the order the writer's drops see
+                self.events.add(BlockStored((key,), None, (), self.block_size, None, self.medium))
         self._queue.put((key, slot, data))
 
     def has(self, key: bytes) -> bool:
@@ -224,10 +238,17 @@ class KVOffload(WriterTier):
         """Copy the block stored under `key` into pool block `block`; False when it is not there
         or did not read back as written (then it is dropped, and the caller recomputes)."""
         t0 = time.perf_counter()
+        data = self.read(key)
+        return data is not None and self._loaded(block, data, t0)
+
+    def read(self, key: bytes) -> torch.Tensor | None:
+        """The bytes of the block stored under `key` (host, uint8; valid until the engine's thread
+        saves again), or None when it is not there or did not read back as written (then it is
+        dropped)."""
         with self._lock:
             slot = self._index.get(key)
             if slot is None:
-                return False
+                return None
             self._index.move_to_end(key)
             data, crc = self._staged.get(key), self._crc[slot]
         if data is None:
@@ -239,8 +260,8 @@ class KVOffload(WriterTier):
                 logger.warning("KV offload: block in slot %d did not read back (%s); dropped, its tokens are "
                                "recomputed", slot, exc)
                 self._drop(key, slot)
-                return False
-        return self._loaded(block, data, t0)
+                return None
+        return data
 
     def close(self) -> None:
         """Stop the writer (after what it holds) and release the store."""
@@ -252,7 +273,13 @@ class KVOffload(WriterTier):
     def _evict_oldest(self) -> int:
         key, slot = self._index.popitem(last=False)
         self._staged.pop(key, None)
+        self._removed(key)
         return slot
+
+    def _removed(self, key: bytes) -> None:
+        """Report `key` no longer held here (the caller holds the lock)."""
+        if self.events is not None:
+            self.events.add(BlockRemoved((key,), self.medium))
 
     def _drop(self, key: bytes, slot: int) -> None:
         with self._lock:
@@ -262,6 +289,7 @@ class KVOffload(WriterTier):
                 self._staged.pop(key, None)
                 self._crc[slot] = None
                 self._free.append(slot)
+                self._removed(key)
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -98,6 +98,15 @@ class SharedTier(WriterTier):
                 return False
         return self._loaded(block, data, t0)
 
+    def read(self, key: bytes) -> torch.Tensor | None:
+        """The bytes of the block stored under `key` (host, uint8, its own copy), or None as `load`."""
+        with self._lock:
+            data = self._staged.get(key)
+        if data is None:
+            data = self._read(key)
+            return None if data is None else data.clone()
+        return data
+
     # ---- internals ----------------------------------------------------------------
 
     def _read(self, key: bytes) -> torch.Tensor | None:

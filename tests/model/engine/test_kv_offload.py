@@ -12,11 +12,13 @@ import random
 import threading
 
 import pytest
+import torch
 
 from model import LLM, SamplingParams
 from model.config import EngineConfig
 from model.engine.kv.block_manager import BlockManager
-from model.engine.kv.offload import DiskStore
+from model.engine.kv.events import KVEventLog
+from model.engine.kv.offload import DiskStore, KVOffload
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import Sequence
 from tests.model.engine.test_prefix_cache import run_step
@@ -279,3 +281,63 @@ def test_the_app_takes_the_tier_and_refuses_a_directory_without_a_size(tmp_path)
     assert EngineConfig(**args.engine_config()).kv_offload_dir == str(tmp_path)
     with pytest.raises(ValueError, match="kv_offload_dir needs kv_offload_bytes > 0"):
         engine_options(AppArgs(kv_offload_dir=str(tmp_path)))
+
+
+# ---- what the tier reports and exports (KV events, a peer's prefix fetch) ----------------------
+
+def events_by(log: KVEventLog) -> list[tuple[str, str, tuple[bytes, ...]]]:
+    """The drained events as (kind, medium, hashes)."""
+    batch = log.drain()
+    return [] if batch is None else [(type(e).__name__, e.medium, e.block_hashes) for e in batch.events]
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_with_kv_events_the_tier_reports_the_blocks_it_stores_evicts_and_drops(where, tmp_path) -> None:
+    log = KVEventLog()
+    pool = [torch.arange(4 * 8, dtype=torch.float32).view(4, 8)]  # 4 blocks of 32 bytes
+    tier = KVOffload(pool, 2 * 32, str(tmp_path) if where == "disk" else None, log, block_size=BS)
+    tier.save(0, b"a")
+    tier.save(1, b"b")
+    tier.save(1, b"b")  # already held: nothing new to report
+    tier.save(2, b"c")  # two slots: a, the least recently used, makes room
+    tier.flush()
+    assert events_by(log) == [("BlockStored", where, (b"a",)), ("BlockStored", where, (b"b",)),
+                              ("BlockRemoved", where, (b"a",)), ("BlockStored", where, (b"c",))]
+
+    def fail(slot, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tier.store.write = fail  # the next write fails: the block is dropped, and says so
+    tier.save(3, b"d")
+    tier.flush()
+    assert events_by(log) == [("BlockRemoved", where, (b"b",)), ("BlockStored", where, (b"d",)),
+                              ("BlockRemoved", where, (b"d",))]
+    assert not tier.has(b"d") and tier.read(b"c") is not None
+    tier.close()
+
+
+def test_an_engine_reports_its_tiers_blocks_and_exports_them_as_the_pool_held_them() -> None:
+    """A prefix pushed out of the pool into the host tier: the events say it left the pool and is in
+    the tier, the engine counts it as held, and a peer's export of it is the bytes the pool had."""
+    prompts, _ = workload()
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+    llm = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=12, kv_offload_bytes=64 << 20,
+                                                enable_kv_cache_events=True))
+    first = prompts[0]
+    llm.generate([first], [greedy])
+    in_pool = llm.engine.export_prefix(first)
+    assert len(in_pool.keys) == 5  # 85 tokens: 5 full blocks
+    llm.engine.drain_kv_events()
+    llm.generate(prompts[1:4], [greedy] * 3)  # three other system prompts: the pool's 12 blocks turn over
+    llm.engine.kv_offload.flush()
+    batch = llm.engine.drain_kv_events()
+    by_medium: dict[tuple[str, str], set[bytes]] = {}
+    for e in batch.events:
+        by_medium.setdefault((type(e).__name__, e.medium), set()).update(e.block_hashes)
+    keys = set(in_pool.keys)
+    assert keys <= by_medium[("BlockRemoved", "pool")] and keys <= by_medium[("BlockStored", "host")]
+    assert llm.engine.scheduler.blocks.cached_prefix(first)[1] == []  # none left in the pool
+    assert llm.engine.cached_prefix_blocks(first) == (5, 5)  # the tier's run counts as held
+    from_tier = llm.engine.export_prefix(first)
+    assert from_tier.keys == in_pool.keys and torch.equal(from_tier.data, in_pool.data)
+    llm.shutdown()

@@ -109,7 +109,7 @@ def test_a_prefix_fetched_from_the_peer_that_holds_it_gives_the_tokens_of_a_reco
     holder.generate([prompt], [GREEDY])
     fetch, metrics, peer, index = client(here, holder, {"holder": 5, "here": 0})
     asyncio.run(fetch.fetch([SubRequest("a", prompt, GREEDY), SubRequest("b", prompt, GREEDY)]))  # n=2: one fetch
-    assert peer.targets == ["holder"] and index.asked == [["pool"]]
+    assert peer.targets == ["holder"] and index.asked == [None]  # held in any tier the index knows
     assert metrics.remote_fetch_blocks.calls == [(5, None)]
     assert metrics.remote_fetch_bytes.calls == [(5 * here.engine.incoming.pool.block_nbytes, None)]
     assert len(metrics.remote_fetch_time.calls) == 1 and fallbacks(metrics) == []
@@ -119,6 +119,31 @@ def test_a_prefix_fetched_from_the_peer_that_holds_it_gives_the_tokens_of_a_reco
     # Its pool now holds the prefix: no second lookup, no second fetch.
     asyncio.run(fetch.fetch([SubRequest("c", prompt, GREEDY)]))
     assert peer.targets == ["holder"] and len(index.asked) == 1
+
+
+def test_a_prefix_a_peer_holds_only_in_its_offload_tier_is_fetched_with_the_tokens_of_a_recompute(recomputed) -> None:
+    here = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=POOL))
+    holder = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=POOL, kv_offload_bytes=64 << 20))
+    prompts = workload()[0]
+    holder.generate(prompts[:4], [GREEDY] * 4)  # the first prompt's blocks leave the pool for the tier
+    assert holder.engine.scheduler.blocks.cached_prefix(prompts[0])[1] == []
+    fetch, metrics, peer, _ = client(here, holder, {"holder": 5, "here": 0})
+    asyncio.run(fetch.fetch([SubRequest("a", prompts[0], GREEDY)]))
+    assert peer.targets == ["holder"] and metrics.remote_fetch_blocks.calls == [(5, None)]
+    assert fallbacks(metrics) == []
+    assert here.generate([prompts[0]], [GREEDY])[0].token_ids == recomputed
+    assert here.engine.incoming.loaded_blocks == 5
+
+
+def test_a_prefix_held_in_this_replicas_own_tier_is_not_fetched() -> None:
+    _, holder = engines()
+    here = LLM(MODEL, engine_config=EngineConfig(num_kv_blocks=POOL, kv_offload_bytes=64 << 20))
+    prompts = workload()[0]
+    holder.generate([prompts[0]], [GREEDY])
+    here.generate(prompts[:4], [GREEDY] * 4)  # here's tier now holds the first prompt's blocks
+    fetch, metrics, peer, index = client(here, holder, {"holder": 5, "here": 5})
+    asyncio.run(fetch.fetch([SubRequest("a", prompts[0], GREEDY)]))
+    assert peer.targets == [] and index.asked == [] and metrics.remote_fetch_blocks.calls == []
 
 
 def test_damaged_blocks_and_the_ones_after_them_are_computed_and_counted(recomputed) -> None:
