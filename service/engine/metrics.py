@@ -103,8 +103,8 @@ METRICS: tuple[MetricSpec, ...] = (
     *tier_metrics("offload", "the offload tier"),
     *tier_metrics("share", "the shared tier (kv_share_dir)"),
     MetricSpec("remote_fetch_blocks", "qkv_kv_remote_fetch_blocks_total", "counter",
-               "KV blocks this replica took from another replica's pool instead of computing them "
-               "(`kv_remote_fetch`)."),
+               "KV blocks this replica took from another replica's pool or offload tier instead of computing "
+               "them (`kv_remote_fetch`)."),
     MetricSpec("remote_fetch_bytes", "qkv_kv_remote_fetch_bytes_total", "counter",
                "Bytes of the KV blocks fetched from other replicas."),
     MetricSpec("remote_fetch_time", "qkv_kv_remote_fetch_seconds", "histogram",
@@ -115,6 +115,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "reason: unavailable (the peer is gone or failed), timeout, corrupt (bytes that did not match "
                "their checksums: those blocks and the ones after them), empty (the peer no longer held them), "
                "refused (blocks of another model or layout).", ("reason",)),
+    MetricSpec("remote_fetch_skipped", "qkv_kv_remote_fetch_skipped_total", "counter",
+               "Long prompts this replica's pool and tiers lacked, computed here without asking another replica, "
+               "by reason: none (no other replica was said to hold more of it), index (the KV index did not "
+               "answer within 0.25 s), cost (fetching was measured slower than computing).", ("reason",)),
     MetricSpec("transfers", "qkv_kv_transfers_total", "counter",
                "Long prompts of a decode replica with a Prefill deployment, by outcome: received (blocks "
                "taken), refused (blocks of another model or layout), corrupt (blocks whose bytes did not match "

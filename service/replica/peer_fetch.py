@@ -16,6 +16,11 @@ Ray's object store, which moves the bytes between nodes). The blocks are named b
 prefix hashes and namespace as computed ones, so they are bit-for-bit what this engine would
 have computed, and its tokens are those of a recompute.
 
+A long prompt this replica lacks but does not ask a peer for is counted in
+`qkv_kv_remote_fetch_skipped_total{reason}`: no other replica is said to hold more of it (none),
+the index did not answer in time (index), or fetching was measured slower than computing (cost).
+Each such prompt ends in exactly one of: fetched, a fallback, a skip.
+
 A fetch that does not work out is never the request's failure: the prompt is computed here, and
 `qkv_kv_remote_fetch_fallbacks_total{reason}` counts it: the peer is gone or failed
 (unavailable; that peer is then not asked again for `PEER_BACKOFF_S`), it did not answer within
@@ -114,21 +119,26 @@ class PeerFetch:
             runs = await asyncio.wait_for(self.kv_index.lookup.remote(prompt, lora), INDEX_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 (a hint: the prompt is computed here)
             logger.debug("the KV index did not answer (%s); computing the prompt here", type(exc).__name__)
+            self._skip("index")
             return
         now = self._clock()
         peers = {r: n for r, n in runs.items() if r != self.replica_id and self._shunned.get(r, 0.0) <= now}
-        if not peers:
-            return
-        peer = max(peers, key=peers.__getitem__)
-        gain = min(peers[peer], usable) - held
+        peer = max(peers, key=peers.__getitem__) if peers else None
+        gain = 0 if peer is None else min(peers[peer], usable) - held
         if gain <= 0:
+            self._skip("none")
             return
         block_nbytes = engine.incoming.pool.block_nbytes
         if not self.cost.worth(gain * block_nbytes, gain * engine.runtime.block_size,
                                getattr(engine, "prefill_seconds_per_token", None)):
             self.skipped += 1
+            self._skip("cost")
             return
         await self._take(peer, prompt, lora)
+
+    def _skip(self, reason: str) -> None:
+        """A long prompt this replica lacks, computed here without asking a peer."""
+        self.host.metrics.remote_fetch_skipped.inc(tags={"reason": reason})
 
     async def _take(self, peer: str, prompt: list[int], lora: str | None) -> None:
         metrics = self.host.metrics

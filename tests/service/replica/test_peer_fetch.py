@@ -76,7 +76,8 @@ class Connector:  # in-process: the blocks themselves travel
 def client(here: LLM, holder: LLM, runs: dict[str, int], fault: str | None = None,
            min_tokens: int = 32) -> tuple[PeerFetch, SimpleNamespace, Peer, Index]:
     metrics = SimpleNamespace(remote_fetch_blocks=Recorder(), remote_fetch_bytes=Recorder(),
-                              remote_fetch_time=Recorder(), remote_fetch_fallbacks=Recorder())
+                              remote_fetch_time=Recorder(), remote_fetch_fallbacks=Recorder(),
+                              remote_fetch_skipped=Recorder())
 
     async def between_steps(fn):
         return fn()
@@ -93,6 +94,10 @@ def engines() -> tuple[LLM, LLM]:
 
 def fallbacks(metrics: SimpleNamespace) -> list[str]:
     return [tags["reason"] for _, tags in metrics.remote_fetch_fallbacks.calls]
+
+
+def skips(metrics: SimpleNamespace) -> list[str]:
+    return [tags["reason"] for _, tags in metrics.remote_fetch_skipped.calls]
 
 
 @pytest.fixture(scope="module")
@@ -191,14 +196,30 @@ def test_nothing_is_asked_for_short_prompts_prompts_held_here_or_held_by_no_peer
     holder.generate([prompt], [GREEDY])
     fetch, metrics, peer, index = client(here, holder, {"holder": 5}, min_tokens=100)
     asyncio.run(fetch.fetch([SubRequest("short", prompt, GREEDY)]))  # 85 < 100 tokens
-    assert index.asked == [] and peer.targets == []
+    assert index.asked == [] and peer.targets == [] and skips(metrics) == []
     fetch, metrics, peer, index = client(here, holder, {"here": 5})  # only this replica holds it
     asyncio.run(fetch.fetch([SubRequest("a", prompt, GREEDY)]))
-    assert len(index.asked) == 1 and peer.targets == []
+    assert len(index.asked) == 1 and peer.targets == [] and skips(metrics) == ["none"]
     here.generate([prompt], [GREEDY])
     fetch, metrics, peer, index = client(here, holder, {"holder": 5})  # this pool holds it now
     asyncio.run(fetch.fetch([SubRequest("b", prompt, GREEDY)]))
     assert index.asked == [] and peer.targets == [] and metrics.remote_fetch_fallbacks.calls == []
+    assert skips(metrics) == []  # not a prompt this replica lacks
+
+
+def test_an_index_that_does_not_answer_in_time_is_counted_and_the_prompt_computed_here() -> None:
+    here, holder = engines()
+    prompt = workload()[0][0]
+    fetch, metrics, peer, index = client(here, holder, {"holder": 5})
+
+    class slow_lookup:  # noqa: N801
+        @staticmethod
+        def remote(prompt, lora, tiers=None):
+            return asyncio.sleep(10, result={"holder": 5})
+
+    index.lookup = slow_lookup
+    asyncio.run(fetch.fetch([SubRequest("a", prompt, GREEDY)]))
+    assert peer.targets == [] and skips(metrics) == ["index"] and fallbacks(metrics) == []
 
 
 def test_a_fetch_measured_slower_than_the_prefill_it_saves_is_skipped() -> None:
@@ -210,6 +231,7 @@ def test_a_fetch_measured_slower_than_the_prefill_it_saves_is_skipped() -> None:
     fetch.cost.observe(1000, 1.0)  # a link of 1 kB/s: minutes for 5 blocks
     asyncio.run(fetch.fetch([SubRequest("a", prompt, GREEDY)]))
     assert peer.targets == [] and fetch.skipped == 1 and metrics.remote_fetch_blocks.calls == []
+    assert skips(metrics) == ["cost"]
     fetch.cost.bytes_per_s = 1e12  # a link that moves them in no time
     asyncio.run(fetch.fetch([SubRequest("b", prompt, GREEDY)]))
     assert peer.targets == ["holder"] and metrics.remote_fetch_blocks.calls == [(5, None)]
