@@ -12,6 +12,7 @@ from typing import Any
 import requests
 import yaml
 
+from tests.support import child
 from tests.support.serve_fixtures import REPO, wait_until
 
 logger = logging.getLogger(__name__)
@@ -69,12 +70,7 @@ class PrometheusServer:
     def __exit__(self, *_: Any) -> None:
         if self._proc is None:
             return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
+        child.stop(self._proc)
         self._proc = None
 
     def _ready(self) -> bool:

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from tests.support import child
 from tests.support.polling import wait_until
 
 
@@ -49,10 +50,5 @@ class RedisServer:
     def __exit__(self, *_: Any) -> None:
         if self._proc is None:
             return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
+        child.stop(self._proc)
         self._proc = None
