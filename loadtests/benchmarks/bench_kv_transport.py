@@ -67,6 +67,12 @@ def make_actors(ray: Any) -> tuple[type, type]:
         def take(self, data: torch.Tensor) -> int:
             return zlib.crc32(data.numpy())
 
+        @ray.method(tensor_transport="gloo")
+        def unused(self) -> torch.Tensor:
+            """Never called: an actor gets the thread RDT receives on only with a method like this
+            (without one, a receive waits behind the task that waits for it, until RDT's timeout)."""
+            return torch.zeros(1)
+
         def get(self, refs: list[Any]) -> tuple[int, float]:
             """The second half, timed here: `ray.get` of the sender's object from its node."""
             t0 = time.perf_counter()
@@ -84,6 +90,9 @@ def main() -> None:
     add_result_args(ap, None)
     args = ap.parse_args()
 
+    # This process joins the cluster as a driver: Ray reads the auth mode when it is imported (the
+    # cluster's token is read at ray.init, below).
+    os.environ["RAY_AUTH_MODE"] = "token"
     from tests.support.ray_nodes import RayNodes
 
     nodes = RayNodes(BASE_PORT)
@@ -125,8 +134,8 @@ def measure(nodes: Any, args: argparse.Namespace) -> tuple[dict[str, list[float]
     from ray.experimental.collective import create_collective_group
 
     # A driver of the token-auth cluster: its token, and loopback as its own address (Ray would
-    # otherwise pick the machine's first interface, which the loopback nodes do not listen on).
-    os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": nodes.token}
+    # otherwise pick the machine's first interface, where no raylet of these nodes is).
+    os.environ["RAY_AUTH_TOKEN"] = nodes.token
     ray.init(address=f"127.0.0.1:{nodes.gcs_port}", _node_ip_address="127.0.0.1", log_to_driver=False)
     Sender, Receiver = make_actors(ray)
     largest = max(args.tokens) * BYTES_PER_TOKEN
