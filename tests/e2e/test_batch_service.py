@@ -75,6 +75,10 @@ def _metric(name: str, **labels: str) -> list[float]:
 def test_a_batch_runs_once_across_two_replicas_and_either_answers_for_it(service: tuple[str, Path, Path]) -> None:
     url, batch_dir, _ = service
     client = _client(url)
+    # What the module's other tests left (they may run first): this test counts from there.
+    earlier = [b.id for b in client.batches.list()]
+    completed_earlier = sum(b.status == "completed" for b in client.batches.list())
+    lines_earlier = _live_lines()  # settled: the test that ran lines before waits for its count
     prompts = {f"r{i}": [5 + i, 6, 7, 8] for i in range(8)}
     batch_id = _submit(client, prompts, max_tokens=4)
     done = _ended(client, batch_id)
@@ -87,15 +91,27 @@ def test_a_batch_runs_once_across_two_replicas_and_either_answers_for_it(service
         assert x["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
     for _ in range(4):
         assert client.batches.retrieve(batch_id).status == "completed"
-    assert [b.id for b in client.batches.list()] == [batch_id]
+    assert [b.id for b in client.batches.list()] == [batch_id, *earlier]  # newest first
     assert not list((batch_dir / "batches").glob("*.answers.jsonl"))  # the journal went into the files
     # Ray's metrics endpoint: the lines, counted by the replica that ran them, and the batch by
     # status, as both replicas see the shared directory.
-    wait_until(lambda: sum(_metric("ray_qkv_batch_lines_total", outcome="completed", model_name=MODEL)) == 8, 60,
-               "8 completed batch lines on Ray's metrics endpoint")
-    wait_until(lambda: max(_metric("ray_qkv_batches", status="completed"), default=0) == 1, 60,
-               "one completed batch on Ray's metrics endpoint")
+    wait_until(lambda: sum(n - lines_earlier.get(r, 0.0) for r, n in _live_lines().items()) == 8, 60,
+               "8 more completed batch lines on Ray's metrics endpoint")
+    wait_until(lambda: max(_metric("ray_qkv_batches", status="completed"), default=0) == completed_earlier + 1, 60,
+               "one more completed batch on Ray's metrics endpoint")
     assert max(_metric("ray_qkv_batches", status="in_progress"), default=0) == 0
+
+
+def _live_lines() -> dict[str, float]:
+    """Completed batch lines on Ray's metrics endpoint by live engine replica (a killed replica's
+    count may linger there or vanish: not counted)."""
+    live = {name.removeprefix(ENGINE_REPLICA) for name in _engine_replicas()}
+    lines: dict[str, float] = {}
+    for n, lab, v in scrape(METRICS_URL):
+        if (n == "ray_qkv_batch_lines_total" and lab.get("outcome") == "completed" and lab.get("model_name") == MODEL
+                and lab.get("replica") in live):
+            lines[lab["replica"]] = lines.get(lab["replica"], 0.0) + v
+    return lines
 
 
 def _answered(batch_dir: Path, batch_id: str) -> dict[str, str]:
@@ -141,3 +157,7 @@ def test_a_batch_whose_replicas_are_killed_resumes_with_no_line_lost_or_answered
         direct = client.completions.create(model=MODEL, prompt=prompts[x["custom_id"]], max_tokens=32,
                                            temperature=0, extra_body={"ignore_eos": True})
         assert x["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+    # The replacements ran every line not answered before the kill, each once; wait for their count
+    # on Ray's endpoint, so that a test after this one starts from settled counters.
+    wait_until(lambda: sum(_live_lines().values()) == len(prompts) - len(before), 60,
+               "the resumed lines on Ray's metrics endpoint")

@@ -46,6 +46,35 @@ def index_held() -> dict[str, int]:
     return serve.get_deployment_handle("KVIndex", app_name="qkv").stats.remote().result(timeout_s=30)["held"]
 
 
+def live_ports() -> list[int] | None:
+    """The ports of both engine replicas as HAProxy lists them, once both answer (after a replica
+    was replaced, HAProxy's list names the new one a moment later)."""
+    ports = engine_replica_ports()
+
+    def answers(port: int) -> bool:
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).ok
+        except requests.RequestException:
+            return False
+
+    return ports if len(ports) == 2 and all(map(answers, ports)) else None
+
+
+def computed_behind_the_routers_back(prompt: str) -> tuple[dict[str, Any], str, dict[str, int]]:
+    """Send `prompt` straight to one replica's own port (the router never sees it) and wait until
+    the index says which replica holds more blocks than before: (the answer, that replica, what
+    the index holds now). Counted from what was held before, so the module's other tests may run
+    first."""
+    wait_until(lambda: set(index_held()) == engine_replica_ids(), 60, "both replicas to publish (heartbeats)")
+    before = index_held()
+    port = wait_until(live_ports, 60, "HAProxy to list both live replicas")[0]
+    answer = complete(f"http://127.0.0.1:{port}", prompt)
+    held = wait_until(lambda: (h := index_held()) and any(n > before.get(r, 0) for r, n in h.items()) and h, 30,
+                      "the index to learn the blocks")
+    [holder] = [r for r, n in held.items() if n > before.get(r, 0)]
+    return answer, holder, held
+
+
 def complete(base: str, prompt: str) -> dict[str, Any]:
     r = requests.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0.0,
                                                       "ignore_eos": True}, timeout=120)
@@ -54,14 +83,8 @@ def complete(base: str, prompt: str) -> dict[str, Any]:
 
 
 def test_a_prefix_computed_behind_the_routers_back_draws_its_requests(url: str) -> None:
-    wait_until(lambda: set(index_held()) == engine_replica_ids(), 30, "both replicas to publish (heartbeats)")
-    assert not any(index_held().values())  # nothing held yet
-    # The prompt goes straight to one replica's own port: the router never sees it.
-    port = engine_replica_ports()[0]
-    first = complete(f"http://127.0.0.1:{port}", SYSTEM + "Question 0: when do you open?")
+    first, holder, held = computed_behind_the_routers_back(SYSTEM + "Question 0: when do you open?")
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    held = wait_until(lambda: (h := index_held()) and any(h.values()) and h, 30, "the index to learn the blocks")
-    [holder] = [r for r, n in held.items() if n > 0]
     # Ray's metrics endpoint: the events the holder sent, the index's size.
     wait_until(lambda: metric_sum(scrape(METRICS_URL), "ray_qkv_kv_events_total", replica=holder) > 0
                and metric_sum(scrape(METRICS_URL), "ray_qkv_kv_index_blocks") >= held[holder], 60,
@@ -78,9 +101,8 @@ def test_a_prefix_computed_behind_the_routers_back_draws_its_requests(url: str) 
 
 
 def test_a_killed_replica_is_forgotten_by_the_index(url: str) -> None:
-    held = index_held()
-    holder = max(held, key=held.get)
-    assert held[holder] > 0
+    _, holder, held = computed_behind_the_routers_back("A preamble of this test's own, which no other test sends: "
+                                                        "it fills several blocks of sixteen tokens.")
     ray.kill(ray.get_actor(f"SERVE_REPLICA::qkv#EngineDeployment#{holder}", namespace="serve"), no_restart=True)
     # Its heartbeats stop: gone from the index within its ttl (10 s), well before any replacement
     # could hold the same blocks.

@@ -70,6 +70,21 @@ def _wait_for(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> 
         time.sleep(0.25)
 
 
+def _wait_counted(before: dict, what: str, prompt_tokens: int, **finished: int) -> None:
+    """Wait until Ray's endpoint shows a test's requests as finished since `before`: `prompt_tokens`
+    more prompt tokens and, per finish reason, `finished[reason]` more requests. A test that sends
+    requests ends with this, so the next one (in any order) starts from settled counters: they
+    reach the endpoint on Ray's next report after the answers, not with them."""
+    def grew(now: dict, name: str, **labels: str) -> float:
+        return _value(now, name, **labels) - _value(before, name, **labels)
+
+    def counted() -> bool:
+        now = _scrape()
+        return grew(now, "ray_qkv_prompt_tokens_total") >= prompt_tokens and all(
+            grew(now, "ray_qkv_request_success_total", finished_reason=reason) >= n for reason, n in finished.items())
+    _wait_for(counted, what)
+
+
 def _engine_stats() -> dict[str, Any]:
     return serve.get_deployment_handle("EngineDeployment", app_name="qkv").engine_stats.remote().result()
 
@@ -93,7 +108,13 @@ def test_metrics_after_traffic(base_url: str) -> None:
     def delta(name: str, **labels: str) -> float:
         return _value(_scrape(), name, **labels) - _value(before, name, **labels)
 
-    _wait_for(lambda: delta("ray_qkv_prompt_tokens_total") >= prompt_tokens, "prompt token counter")
+    # Ray reports each metric on its own: wait for every count asserted below, then compare exactly.
+    expected = [("ray_qkv_prompt_tokens_total", {}, prompt_tokens), ("ray_qkv_generation_tokens_total", {}, gen_tokens),
+                ("ray_qkv_request_success_total", {"finished_reason": "length"}, requests),
+                ("ray_qkv_inter_token_latency_seconds_count", {}, requests * 7),
+                *[(f"ray_qkv_{hist}_seconds_count", {}, requests)
+                  for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time")]]
+    _wait_for(lambda: all(delta(name, **labels) >= n for name, labels, n in expected), "the traffic's counters")
     after = _scrape()
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     assert _value(d, "ray_qkv_prompt_tokens_total") == prompt_tokens
@@ -111,7 +132,8 @@ def test_metrics_after_traffic(base_url: str) -> None:
 
 
 def test_client_disconnect_aborts_the_request(base_url: str) -> None:
-    aborted_before = _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
+    start = _scrape()
+    aborted_before = _value(start, "ray_qkv_request_success_total", finished_reason="abort")
     body = LONG | {"stream": True}
     with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", "/v1/completions",
                                                                            json=body) as r:
@@ -128,6 +150,7 @@ def test_client_disconnect_aborts_the_request(base_url: str) -> None:
               and _value(_scrape(), "ray_qkv_kv_cache_usage_perc") == 0.0, "running and KV gauges = 0")
     _wait_for(lambda: _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
               == aborted_before + 1, "the abort to be counted")
+    _wait_counted(start, "the aborted request's prompt tokens", 3, abort=1)
 
 
 def test_a_non_streamed_request_whose_client_left_is_aborted_and_frees_its_blocks(base_url: str) -> None:
@@ -140,6 +163,8 @@ def test_a_non_streamed_request_whose_client_left_is_aborted_and_frees_its_block
     body = json.dumps(LONG).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+    _wait_for(_idle, "an idle engine")
+    start = _scrape()
     for close_after_first_byte in (False, True, True):
         _wait_for(_idle, "an idle engine")
         aborted_before = _value(_scrape(), "ray_qkv_request_success_total", finished_reason="abort")
@@ -155,6 +180,7 @@ def test_a_non_streamed_request_whose_client_left_is_aborted_and_frees_its_block
                   == aborted_before + 1, "the abort to be counted")
     r = httpx.post(f"{base_url}/v1/completions", json=LONG | {"max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text[:300]  # its admission slot is free again
+    _wait_counted(start, "the test's requests on Ray's endpoint", 4 * 3, abort=3, length=1)
 
 
 def test_overload_rejects_the_excess_fast(base_url: str) -> None:
@@ -166,6 +192,7 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
     # back within about a second on a loaded 2-core machine, 1000 tokens took the four admitted
     # requests 33 s there; 300 tokens keep a margin of ~10x.
     _wait_for(_idle, "an idle engine", timeout_s=60)
+    start = _scrape()
     body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True}
     events = burst(base_url, body, BURST)
     admitted = [e for e in events if e[1] == 200]
@@ -183,3 +210,4 @@ def test_overload_rejects_the_excess_fast(base_url: str) -> None:
         assert info["body"].endswith(b"data: [DONE]\n\n") and b'"finish_reason": "length"' in info["body"]
     assert max(t for t, *_ in rejected) < min(t for t, *_ in admitted)
     assert httpx.get(f"{base_url}/health").status_code == 200
+    _wait_counted(start, "the admitted requests on Ray's endpoint", 3 * len(admitted), length=len(admitted))
