@@ -15,7 +15,8 @@ system text, the conversation so far (earlier prompts and answers) and a new que
 streamed `/v1/completions`. Reported per mode: the prefix-cache hit rate (prompt tokens served
 from a cache / prompt tokens, summed over the workers' `qkv_prefix_cache_*` counters), the bound on
 it for this run's order of requests (`reuse_bound`: what had been computed anywhere), TTFT p50
-and p90, and generated tokens per second. Target: hit rate with the index >= 1.5x the router's
+and p90, generated tokens per second, and the routers' own time per decision (the index lookup
+included) from their histograms. Target: hit rate with the index >= 1.5x the router's
 record, and a lower TTFT p50 at equal throughput.
 
     .venv/bin/python loadtests/benchmarks/bench_kv_index_routing.py --out docs/results/bench_kv_index_routing.json
@@ -142,6 +143,18 @@ def cache_counters(nodes: Any, expected_queries: int) -> tuple[float, float]:
     return wait_until(read, 60, f"the workers' prefix-cache counters to reach {expected_queries} prompt tokens")
 
 
+ROUTER_TIMES = ("ray_qkv_router_pick_seconds_sum", "ray_qkv_router_pick_seconds_count",
+                "ray_qkv_router_index_lookup_seconds_sum", "ray_qkv_router_index_lookup_seconds_count")
+
+
+def router_times(nodes: Any) -> dict[str, float]:
+    """The routers' decision and index-lookup histograms' sums and counts, over every node."""
+    from tests.support.serve_fixtures import metric_sum, scrape
+
+    samples = [s for node in nodes.nodes.values() for s in scrape(f"http://127.0.0.1:{node.metrics_port}/metrics")]
+    return {name: metric_sum(samples, name) for name in ROUTER_TIMES}
+
+
 def one_mode(model: Path, kv_cache_index: bool, args: argparse.Namespace) -> dict[str, Any]:
     from tests.support.ray_nodes import index_replicas, start_serving_cluster
     from tests.support.serve_fixtures import wait_until
@@ -152,9 +165,15 @@ def one_mode(model: Path, kv_cache_index: bool, args: argparse.Namespace) -> dic
             wait_until(lambda: index_replicas(nodes) == 2 * args.per_worker, 60, "every replica in the KV index")
         # The startup probe's prompt is in the counters: read them before, subtract after.
         base_q, base_h = cache_counters(nodes, 0)
+        routed_before = router_times(nodes)
         out = run_workload(f"http://127.0.0.1:{HTTP_PORT}", args)
         prompt_tokens = sum(r["prompt_tokens"] for r in out["turns"])
         queries, hits = cache_counters(nodes, int(base_q) + prompt_tokens)
+        # the routers' histograms reach the endpoints on Ray's next report (every second)
+        routed = wait_until(lambda: (t := router_times(nodes))["ray_qkv_router_pick_seconds_count"]
+                            >= routed_before["ray_qkv_router_pick_seconds_count"] + len(out["turns"]) and t, 60,
+                            "the routers' decisions on the metrics endpoints")
+        routed = {k: routed[k] - routed_before[k] for k in ROUTER_TIMES}
     finally:
         nodes.stop()
     ttfts = sorted(r["ttft"] for r in out["turns"] if r["ttft"] is not None)
@@ -165,7 +184,13 @@ def one_mode(model: Path, kv_cache_index: bool, args: argparse.Namespace) -> dic
             "hit_tokens": hits - base_h, "hit_rate": (hits - base_h) / max(1.0, queries - base_q),
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "ttft_p90_ms": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))],
-            "tokens_per_s": generated / out["seconds"], "seconds": out["seconds"]}
+            "tokens_per_s": generated / out["seconds"], "seconds": out["seconds"],
+            "router_decisions": routed["ray_qkv_router_pick_seconds_count"],
+            "router_decision_ms_mean": 1000 * routed["ray_qkv_router_pick_seconds_sum"]
+            / max(1.0, routed["ray_qkv_router_pick_seconds_count"]),
+            "index_lookups": routed["ray_qkv_router_index_lookup_seconds_count"],
+            "index_lookup_ms_mean": 1000 * routed["ray_qkv_router_index_lookup_seconds_sum"]
+            / max(1.0, routed["ray_qkv_router_index_lookup_seconds_count"])}
 
 
 def table(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
@@ -213,9 +238,15 @@ def main() -> None:
     res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "note", "allow_dirty")}
     columns, rows = table(res)
     print_table(columns, rows)
+    router_columns = ["routing", "decisions", "decision (ms, mean)", "index lookups", "index lookup (ms, mean)"]
+    router_rows = [[name, round(m["router_decisions"]), round(m["router_decision_ms_mean"], 2), round(m["index_lookups"]),
+                    round(m["index_lookup_ms_mean"], 2) if m["index_lookups"] else None]
+                   for name, m in res["modes"].items()]
+    print_table(router_columns, router_rows)
     if args.out:
         write_result(args.out, "bench_kv_index_routing", columns, rows, raw=res, note=args.note,
-                     title="Prefix routing on 2 nodes: the router's record against the KV index")
+                     title="Prefix routing on 2 nodes: the router's record against the KV index",
+                     tables={"router": (router_columns, router_rows)})
 
 
 if __name__ == "__main__":

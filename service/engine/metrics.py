@@ -96,6 +96,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kv_events", "qkv_kv_events_total", "counter",
                "KV cache events (blocks stored, removed, cleared) this replica sent to the app's KV index "
                "(`kv_cache_index`)."),
+    MetricSpec("router_pick_time", "qkv_router_pick_seconds", "histogram",
+               "One request's routing decision in the prefix router: from HAProxy's question to the replica "
+               "chosen, the KV index's answer included (`prefix_aware_routing`). For a multi-model app, "
+               "`model_name` is the app's first model.", buckets=_LATENCY_BUCKETS),
+    MetricSpec("router_index_lookup_time", "qkv_router_index_lookup_seconds", "histogram",
+               "The prefix router's question to the KV index, for one request (`kv_cache_index`): until its "
+               "answer, or until the router gave up on it (0.25 s).", buckets=_LATENCY_BUCKETS),
     MetricSpec("kv_index_blocks", "qkv_kv_index_blocks", "gauge",
                "Block hashes the app's KV index holds (reported by the KVIndex deployment, `kv_cache_index`)."),
     MetricSpec("kv_index_replicas", "qkv_kv_index_replicas", "gauge",

@@ -23,6 +23,7 @@ unknown `model` or an unreadable body to any replica, whose edge answers the 404
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import deque
 from typing import Any
 
@@ -31,6 +32,7 @@ from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.responses import JSONResponse
 
+from service.engine.metrics import METRICS
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
 from service.routing.model_names import UNREADABLE, ModelNames, ServedModel, body_model
@@ -65,11 +67,17 @@ class PrefixRoute:
         self._names = ModelNames(models) if models else None
         self._serving: dict[str | None, OpenAIServing] = {}  # tokenizer and chat template, per model routed by prefix
         if self._names is None:
-            self._serving[None] = OpenAIServing(await engine.model_info.remote(), None, OverloadPolicy())
+            info = await engine.model_info.remote()
+            self._serving[None] = OpenAIServing(info, None, OverloadPolicy())
+            first_model = info.served_model_name
         else:
             for name in by_prefix or ():
                 info = await engine.model_info.remote(ToModel(name))
                 self._serving[name] = OpenAIServing(info, None, OverloadPolicy())
+            first_model = models[0].name
+        specs = {spec.attr: spec for spec in METRICS}
+        self._pick_time = specs["router_pick_time"].register(first_model)
+        self._lookup_time = specs["router_index_lookup_time"].register(first_model)
         self.routed = 0  # requests answered with a replica
         self._picks: deque[dict[str, Any]] = deque(maxlen=PICKS_KEPT)  # the router's latest decisions
         # The handle's first pick waits for Serve to tell it the replicas, which can outlast
@@ -93,6 +101,7 @@ class PrefixRoute:
 
     @route_api.post("/internal/route")
     async def route(self, request: Request) -> Any:
+        t0 = time.perf_counter()
         body = await request.body()
         argument = self.routing_argument(body)
         if argument is not None and self._kv_index is not None and argument.prompt_token_ids:
@@ -118,11 +127,13 @@ class PrefixRoute:
             return JSONResponse({"detail": f"replica {replica_id} has no HTTP endpoint"}, status_code=503)
         host, port = endpoint
         self.routed += 1
+        self._pick_time.observe(time.perf_counter() - t0)
         return {"host": host, "port": port, "replica_id": replica_id}
 
     async def _held(self, argument: RoutingPrompt) -> dict[str, int] | None:
         """The KV index's answer for the prompt, or None when it does not answer within
         INDEX_TIMEOUT_S (starting, restarting, overloaded): routed as without an index."""
+        t0 = time.perf_counter()
         try:
             return await asyncio.wait_for(self._kv_index.lookup.remote(argument.prompt_token_ids, argument.lora),
                                           INDEX_TIMEOUT_S)
@@ -131,6 +142,8 @@ class PrefixRoute:
             if self.index_misses in (1, 10) or self.index_misses % 1000 == 0:
                 logger.warning("the KV index did not answer (%d times): %s", self.index_misses, type(exc).__name__)
             return None
+        finally:
+            self._lookup_time.observe(time.perf_counter() - t0)
 
     @route_api.get("/health")
     async def health(self) -> Any:

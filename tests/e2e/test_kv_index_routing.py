@@ -95,6 +95,10 @@ def test_a_prefix_computed_behind_the_routers_back_draws_its_requests(url: str) 
     assert len(picks) == 4
     for pick in picks:  # the index's holder, for the prefix: though the router had never sent it there
         assert pick["why"] == "prefix" and pick["replica_id"].endswith(holder), pick
+    # The routers time their decisions and their questions to the index (Ray's metrics endpoint).
+    wait_until(lambda: metric_sum(scrape(METRICS_URL), "ray_qkv_router_index_lookup_seconds_count") >= 4
+               and metric_sum(scrape(METRICS_URL), "ray_qkv_router_pick_seconds_count") >= 4, 60,
+               "the routers' decision and lookup times on Ray's metrics endpoint")
     # HAProxy follows the picks unless it gave up waiting on the router (it may under load):
     # where it did not, the requests ran where the blocks were.
     assert any(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usages)
