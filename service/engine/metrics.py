@@ -124,8 +124,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "refused (blocks of another model or layout).", ("reason",)),
     MetricSpec("remote_fetch_skipped", "qkv_kv_remote_fetch_skipped_total", "counter",
                "Long prompts this replica's pool and tiers lacked, computed here without asking another replica, "
-               "by reason: none (no other replica was said to hold more of it), index (the KV index did not "
-               "answer within 0.25 s), cost (fetching was measured slower than computing).", ("reason",)),
+               "by reason: none (no other replica was said to hold more of it, leaving out those avoided for 10 s "
+               "after a failed fetch), index (the KV index did not answer within 0.25 s), cost (fetching was "
+               "measured slower than computing).", ("reason",)),
     MetricSpec("transfers", "qkv_kv_transfers_total", "counter",
                "Long prompts of a decode replica with a Prefill deployment, by outcome: received (blocks "
                "taken), refused (blocks of another model or layout), corrupt (blocks whose bytes did not match "

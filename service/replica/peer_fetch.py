@@ -17,7 +17,8 @@ prefix hashes and namespace as computed ones, so they are bit-for-bit what this 
 have computed, and its tokens are those of a recompute.
 
 A long prompt this replica lacks but does not ask a peer for is counted in
-`qkv_kv_remote_fetch_skipped_total{reason}`: no other replica is said to hold more of it (none),
+`qkv_kv_remote_fetch_skipped_total{reason}`: no other replica is said to hold more of it, apart
+from peers shunned after a failure (none),
 the index did not answer in time (index), or fetching was measured slower than computing (cost).
 Each such prompt ends in exactly one of: fetched, a fallback, a skip.
 
