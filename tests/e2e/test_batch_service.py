@@ -76,8 +76,9 @@ def test_a_batch_runs_once_across_two_replicas_and_either_answers_for_it(service
     url, batch_dir, _ = service
     client = _client(url)
     # What the module's other tests left (they may run first): this test counts from there.
-    earlier = [b.id for b in client.batches.list()]
-    completed_earlier = sum(b.status == "completed" for b in client.batches.list())
+    listed = list(client.batches.list())
+    earlier = [b.id for b in listed]
+    completed_earlier = sum(b.status == "completed" for b in listed)
     lines_earlier = _live_lines()  # settled: the test that ran lines before waits for its count
     prompts = {f"r{i}": [5 + i, 6, 7, 8] for i in range(8)}
     batch_id = _submit(client, prompts, max_tokens=4)
