@@ -21,6 +21,7 @@ from model.engine.kv.events import KVEventLog
 from model.engine.kv.offload import DiskStore, KVOffload
 from model.engine.scheduler import Scheduler
 from model.engine.sequence import Sequence
+from tests.model.engine.test_kv_events import events_of
 from tests.model.engine.test_prefix_cache import run_step
 
 BS = 4
@@ -287,8 +288,7 @@ def test_the_app_takes_the_tier_and_refuses_a_directory_without_a_size(tmp_path)
 
 def events_by(log: KVEventLog) -> list[tuple[str, str, tuple[bytes, ...]]]:
     """The drained events as (kind, medium, hashes)."""
-    batch = log.drain()
-    return [] if batch is None else [(type(e).__name__, e.medium, e.block_hashes) for e in batch.events]
+    return [(type(e).__name__, e.medium, e.block_hashes) for e in events_of(log)]
 
 
 @pytest.mark.parametrize("where", ["host", "disk"])
