@@ -44,6 +44,9 @@ class EngineStats:
     num_preemptions_total: int
     num_free_blocks: int
     num_total_blocks: int
+    # Of num_running / num_waiting, the sequences at LOWEST_PRIORITY (the Batch API's requests).
+    num_running_lowest: int = 0
+    num_waiting_lowest: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     # Speculative decoding totals since start: proposals verified, of them accepted, and per
@@ -330,7 +333,7 @@ class Engine:
         sp = self.spec.stats if self.spec is not None else None
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
                            self.scheduler.num_preemptions, bm.num_free, bm.num_blocks,
-                           bm.stats.queries, bm.stats.hits,
+                           *self.scheduler.num_lowest(), bm.stats.queries, bm.stats.hits,
                            *((sp.num_draft_tokens, sp.num_accepted_tokens, tuple(sp.drafts_per_position),
                               tuple(sp.accepted_per_position)) if sp else ()),
                            **({} if self.lora is None else {

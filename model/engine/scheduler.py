@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from model.config import SCHEDULING_POLICIES
 from model.engine.kv.block_manager import BlockManager, blocks_for
-from model.engine.sequence import SeqStatus, Sequence
+from model.engine.sequence import LOWEST_PRIORITY, SeqStatus, Sequence
 
 
 @dataclass
@@ -124,6 +124,11 @@ class Scheduler:
         if not self.rope_recompute or seq.rope_len:
             return None
         return self.rope_long_from - seq.num_tokens
+
+    def num_lowest(self) -> tuple[int, int]:
+        """Running and waiting sequences at LOWEST_PRIORITY (the Batch API's), for metrics."""
+        return (sum(s.priority == LOWEST_PRIORITY for s in self.running),
+                sum(s.priority == LOWEST_PRIORITY for s in self.waiting))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -17,6 +17,11 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# The largest priority a request may ask for (the API bounds it): the Batch API's requests run at
+# it, after every interactive one; metrics count the sequences at it apart (EngineStats).
+LOWEST_PRIORITY = 1_000_000
+
+
 @dataclass
 class RequestTimes:
     """Engine timestamps (time.monotonic()) of one request; the service derives its metrics from these."""

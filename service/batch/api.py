@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
 
+from model.engine.sequence import LOWEST_PRIORITY
 from service.batch.batches import BatchJournal
 from service.batch.runner import BatchRunner, Send
 from service.errors import APIError
@@ -34,7 +35,6 @@ from service.tenancy.keys import Tenant
 
 logger = logging.getLogger(__name__)
 
-LOWEST_PRIORITY = 1_000_000  # the largest a request may ask for: served after every interactive one
 IDLE_POLL_S = 2.0  # how often an idle loop looks for batches another replica's API created
 STATUS_REFRESH_S = 5.0  # how often the batches-by-status gauge is set again (Ray drops a gauge left unset)
 BUSY_POLL_S = 0.05  # how often a batch request held back looks at the engine's queue again

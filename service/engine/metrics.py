@@ -155,6 +155,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Accepted / proposed speculative tokens since start, per proposal position.", ("position",)),
     MetricSpec("running", "qkv_num_requests_running", "gauge", "Requests in the running batch."),
     MetricSpec("waiting", "qkv_num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    MetricSpec("by_priority", "qkv_num_requests_by_priority", "gauge",
+               "Requests running and waiting (state), by priority class: batch (the lowest priority, 1000000, "
+               "at which the Batch API's requests run) and interactive (every other); the two add up to "
+               "qkv_num_requests_running and qkv_num_requests_waiting.", ("priority_class", "state")),
     MetricSpec("kv_usage", "qkv_kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0..1)."),
     MetricSpec("kv_capacity", "qkv_kv_cache_capacity_tokens", "gauge",
                "Tokens the KV cache holds (its blocks x block_size), as sized at start-up."),
@@ -313,6 +317,10 @@ class EngineMetrics:
         self._set_startup()
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        for state, total, lowest in (("running", stats.num_running, getattr(stats, "num_running_lowest", 0)),
+                                     ("waiting", stats.num_waiting, getattr(stats, "num_waiting_lowest", 0))):
+            self.by_priority.set(lowest, tags={"priority_class": "batch", "state": state})
+            self.by_priority.set(total - lowest, tags={"priority_class": "interactive", "state": state})
         self.kv_usage.set(stats.kv_cache_usage)
         self.lora_loaded.set(getattr(stats, "lora_adapters_loaded", 0))
         # The engine keeps running totals; the counters get what was added since the last refresh.

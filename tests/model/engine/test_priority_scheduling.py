@@ -14,7 +14,7 @@ from model.config import EngineConfig
 from model.engine.builder import build_engine
 from model.engine.kv.block_manager import BlockManager
 from model.engine.scheduler import Scheduler
-from model.engine.sequence import SeqStatus, Sequence
+from model.engine.sequence import LOWEST_PRIORITY, SeqStatus, Sequence
 from tests.model.engine import test_prefix_cache as prefix_cache_tests
 from tests.model.engine import test_scheduler as fcfs_scheduler_tests
 
@@ -243,6 +243,24 @@ def test_priority_comes_before_tenant_load_and_load_before_arrival() -> None:
     # c0 and a1 share the best priority: C has nothing running, A has a0; b-low is worse.
     assert [r for r, _ in run_step(s)] == ["a0", "c0", "a1"]
     assert [q.request_id for q in s.waiting] == ["b-low"]
+
+
+def test_the_engine_counts_its_lowest_priority_sequences_apart() -> None:
+    """EngineStats' num_running_lowest / num_waiting_lowest: the Batch API's sequences among the
+    running and waiting ones (the metric qkv_num_requests_by_priority splits the gauges by them)."""
+    llm = LLM(MODEL, scheduling_policy="priority", max_num_seqs=2, num_kv_blocks=32)
+    engine = llm.engine
+    for i, priority in enumerate((LOWEST_PRIORITY, 0, LOWEST_PRIORITY, 3)):
+        engine.add_request(f"r{i}", [1 + i, 2, 3], greedy(4), priority=priority)
+    st = engine.stats()
+    assert (st.num_running, st.num_waiting, st.num_running_lowest, st.num_waiting_lowest) == (0, 4, 0, 2)
+    engine.step()  # two slots: the interactive ones run, the batch's wait
+    st = engine.stats()
+    assert (st.num_running, st.num_waiting, st.num_running_lowest, st.num_waiting_lowest) == (2, 2, 0, 2)
+    while engine.has_unfinished():
+        engine.step()
+    st = engine.stats()
+    assert (st.num_running, st.num_waiting, st.num_running_lowest, st.num_waiting_lowest) == (0, 0, 0, 0)
 
 
 # ---- configuration and the engine's contract ------------------------------------------------------
