@@ -18,6 +18,7 @@ from model.config import (AttentionBackend, EngineConfig, KVCacheDtype, Quantiza
 from model.loading.hub import is_hub_id
 from model.loading.loading import is_preset
 from service.autoscaling import REPLACED_SERVE_KEYS, ScalingTargets
+from service.batch.storage import check_url
 from service.engine.admission import admission_capacity
 from service.replica.placement import PlacementStrategy
 from service.tenancy.keys import KeyTable
@@ -185,11 +186,12 @@ class AppArgs(BaseModel):
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
         "auto", description="Whether `<think>` text is split into reasoning_content: auto: for chat templates "
                             "that think; none: never.")
-    batch_dir: str | None = Field(None, description="A directory (a path or a file:// URI) for OpenAI's Files and "
-                                  "Batch APIs (`/v1/files`, `/v1/batches`): uploads, batches and their results live "
-                                  "there and survive a restart; the replicas that share it (a node's, or several "
-                                  "nodes' over a shared mount) run its batches at the lowest priority beside "
-                                  "interactive requests. None: those APIs are not served (404).")
+    batch_dir: str | None = Field(None, description="Where OpenAI's Files and Batch APIs (`/v1/files`, "
+                                  "`/v1/batches`) keep uploads, batches and their results, which survive a restart: "
+                                  "a directory (a path or a file:// URI; a shared mount serves several nodes) or an "
+                                  "fsspec URI such as s3://bucket/prefix (its filesystem package installed). The "
+                                  "replicas that share it run its batches at the lowest priority beside interactive "
+                                  "requests. None: those APIs are not served (404).")
     batch_max_file_bytes: int = Field(200 << 20, ge=1, description="The largest file `/v1/files` accepts; 413 past "
                                       "it.")
     batch_max_lines: int = Field(50_000, ge=1, description="The most requests (non-empty lines) of one batch input "
@@ -285,17 +287,20 @@ class AppArgs(BaseModel):
 
     @field_validator("batch_dir")
     @classmethod
-    def _batch_dir_is_local(cls, value: str | None) -> str | None:
-        """A local path or a `file://` URI, made absolute here: a replica's working directory is
-        not the caller's. A shared mount (NFS) serves the replicas of several nodes; an object
-        store is refused rather than taken for a folder named after it."""
+    def _batch_dir_is_shared_storage(cls, value: str | None) -> str | None:
+        """A local path or a `file://` URI, made absolute here (a replica's working directory is
+        not the caller's), or an fsspec URI whose filesystem is installed (`s3://` with s3fs...);
+        `memory://` is refused: each replica would have its own."""
         if not value:
             return value
         scheme, sep, rest = value.partition("://")
-        if sep and scheme != "file":
-            raise ValueError(f"batch_dir {value!r}: an object store ({scheme}://) is not supported; give a local path "
-                             "or a file:// URI (a shared mount such as NFS serves the replicas of several nodes)")
-        return os.path.abspath(os.path.expanduser(rest if sep else value))
+        if not sep or scheme == "file":
+            return os.path.abspath(os.path.expanduser(rest if sep else value))
+        if scheme == "memory":
+            raise ValueError(f"batch_dir {value!r}: memory:// lives in one process, and every replica would have "
+                             "its own; give a path, a shared mount or an object store URI")
+        check_url(value)
+        return value
 
     @field_validator("pipeline_parallel_size")
     @classmethod

@@ -95,7 +95,7 @@ class BatchLoop:
 
     async def _loop(self) -> None:
         while True:
-            for batch_id in self.runner.pending():
+            for batch_id in await asyncio.to_thread(self.runner.pending):
                 try:
                     await self.runner.run(batch_id)  # None: another replica runs it
                 except Exception:  # noqa: BLE001 (logged; the batch resumes on a later pass)
@@ -173,10 +173,12 @@ def add_batch_routes(app: FastAPI, runner: BatchRunner, loop: BatchLoop) -> None
     """The Files and Batch APIs' routes on `app`."""
     files = runner.files
 
-    def answer(work: Callable[[], Any]) -> Response:
+    async def answer(work: Callable[[], Any]) -> Response:
+        """`work`'s JSON, run off the event loop (the store may answer over the network; the
+        caller's tenant goes with it, as asyncio.to_thread copies the context)."""
         loop.ensure()
         try:
-            return JSONResponse(work())
+            return JSONResponse(await asyncio.to_thread(work))
         except APIError as exc:
             return _error(exc)
 
@@ -191,29 +193,31 @@ def add_batch_routes(app: FastAPI, runner: BatchRunner, loop: BatchLoop) -> None
         if not isinstance(upload, UploadFile):
             return _error(APIError("A file is required (the multipart field `file`).", param="file"))
         content = await upload.read()
-        return answer(lambda: files.create(content, upload.filename or "upload.jsonl", str(purpose),
+        return await answer(lambda: files.create(content, upload.filename or "upload.jsonl", str(purpose),
                                            _owner()).to_openai())
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> Response:
         q = request.query_params
-        return answer(lambda: files.list(_owner(), q.get("purpose"), q.get("after"), _int(request, "limit", 10_000),
+        return await answer(lambda: files.list(_owner(), q.get("purpose"), q.get("after"), _int(request, "limit", 10_000),
                                          q.get("order", "desc")))
 
     @app.get("/v1/files/{file_id}")
     async def get_file(file_id: str) -> Response:
-        return answer(lambda: files.get(file_id, _owner()).to_openai())
+        return await answer(lambda: files.get(file_id, _owner()).to_openai())
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> Response:
+        owner = _owner()
         try:
-            return Response(files.content(file_id, _owner()), media_type="application/octet-stream")
+            return Response(await asyncio.to_thread(files.content, file_id, owner),
+                            media_type="application/octet-stream")
         except APIError as exc:
             return _error(exc)
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> Response:
-        return answer(lambda: files.delete(file_id, _owner()))
+        return await answer(lambda: files.delete(file_id, _owner()))
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> Response:
@@ -223,7 +227,7 @@ def add_batch_routes(app: FastAPI, runner: BatchRunner, loop: BatchLoop) -> None
             return _error(APIError("The body must be a JSON object."))
         if not isinstance(body, dict) or not isinstance(body.get("input_file_id"), str):
             return _error(APIError("input_file_id is required.", param="input_file_id"))
-        response = answer(lambda: runner.create(body["input_file_id"], str(body.get("endpoint")),
+        response = await answer(lambda: runner.create(body["input_file_id"], str(body.get("endpoint")),
                                                 str(body.get("completion_window")), body.get("metadata"),
                                                 _owner()).to_openai())
         if response.status_code == 200:
@@ -232,12 +236,12 @@ def add_batch_routes(app: FastAPI, runner: BatchRunner, loop: BatchLoop) -> None
 
     @app.get("/v1/batches")
     async def list_batches(request: Request) -> Response:
-        return answer(lambda: runner.list(_owner(), request.query_params.get("after"), _int(request, "limit", 20)))
+        return await answer(lambda: runner.list(_owner(), request.query_params.get("after"), _int(request, "limit", 20)))
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str) -> Response:
-        return answer(lambda: runner.get(batch_id, _owner()).to_openai())
+        return await answer(lambda: runner.get(batch_id, _owner()).to_openai())
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str) -> Response:
-        return answer(lambda: runner.cancel(batch_id, _owner()).to_openai())
+        return await answer(lambda: runner.cancel(batch_id, _owner()).to_openai())

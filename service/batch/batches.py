@@ -6,11 +6,13 @@ input file's structure is wrong: every bad line is named in `errors`); cancellin
 expired (the completion window ran out; the lines not answered get a `batch_expired` error line).
 
 The journal, written by the one process that holds the batch while it runs: its answers are
-appended, one JSON line per request, to `{id}.answers.jsonl`, each line flushed to disk before the
-request counts as done. The answers file is the only record of which requests are done: a
-restart reads it back (dropping a last line cut short by a crash, whose request is then run
-again), so no request's answer is lost and none is written twice. The batch object (`{id}.json`)
-is rewritten whole, atomically, on each change, for every process to read. When every request is
+recorded, one JSON line per request, in `batches/{id}.answers.jsonl` (service/batch/storage.py:
+appended and fsynced in a directory, an object per line in an object store), each line durable
+before the request counts as done. The answers are the only record of which requests are done:
+a restart reads them back (dropping a last line cut short by a crash, whose request is then run
+again), so no request's answer is lost, and each custom_id is answered once in the output (its
+first answer kept). The batch object (`batches/{id}.json`) is rewritten whole, atomically, on each
+change, for every process to read. When every request is
 answered, the answers are split into the output file (status 200) and the error file (the rest),
 stored as files of purpose `batch_output`.
 """
@@ -18,7 +20,6 @@ stored as files of purpose `batch_output`.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import threading
 import time
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.batch.files import write_atomically
+from service.batch.storage import Storage, open_storage
 from service.errors import APIError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -172,35 +173,35 @@ def answer_line(batch_id: str, custom_id: str, status_code: int, body: dict[str,
 
 
 class BatchJournal:
-    """A batch's record and answers on disk under `root`/batches."""
+    """A batch's record and answers under `batches/` of `root` (a Storage, a directory or a URI)."""
 
-    def __init__(self, root: str | Path, record: BatchRecord) -> None:
+    def __init__(self, root: str | Path | Storage, record: BatchRecord) -> None:
         """Only the process that holds the batch (service/batch/runner.py's lock) writes through it."""
-        self.dir = Path(root) / "batches"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.storage = open_storage(root)
         self.record = record
         self._lock = threading.Lock()
-        self._answers = self.dir / f"{record.id}.answers.jsonl"
+        self._answers = f"batches/{record.id}.answers.jsonl"
 
     @staticmethod
-    def load(root: str | Path, batch_id: str) -> BatchRecord | None:
+    def load(root: str | Path | Storage, batch_id: str) -> BatchRecord | None:
         """The batch's record as last saved, or None when there is no such batch."""
         if not batch_id.startswith("batch_") or "/" in batch_id:
             return None
         try:
-            return BatchRecord(**json.loads((Path(root) / "batches" / f"{batch_id}.json").read_text()))
+            return BatchRecord(**json.loads(open_storage(root).get(f"batches/{batch_id}.json")))
         except FileNotFoundError:
             return None
 
     @staticmethod
-    def records(root: str | Path) -> list[BatchRecord]:
+    def records(root: str | Path | Storage) -> list[BatchRecord]:
         """Every batch kept under `root`, as last saved."""
-        directory = Path(root) / "batches"
-        found = (BatchJournal.load(root, p.stem) for p in directory.glob("batch_*.json")) if directory.is_dir() else ()
+        storage = open_storage(root)
+        found = (BatchJournal.load(storage, name[:-len(".json")]) for name in storage.names("batches")
+                 if name.startswith("batch_") and name.endswith(".json"))
         return [r for r in found if r is not None]
 
     @staticmethod
-    def status_counts(root: str | Path) -> dict[str, int]:
+    def status_counts(root: str | Path | Storage) -> dict[str, int]:
         """How many batches under `root` have each status (every status, 0 where none has it)."""
         counts = dict.fromkeys(STATUSES, 0)
         for record in BatchJournal.records(root):
@@ -209,35 +210,28 @@ class BatchJournal:
 
     def save(self) -> None:
         """The record, whole, atomically."""
-        write_atomically(self.dir / f"{self.record.id}.json", json.dumps(asdict(self.record)).encode())
+        self.storage.put(f"batches/{self.record.id}.json", json.dumps(asdict(self.record)).encode())
 
     def answered(self) -> dict[str, dict[str, Any]]:
-        """custom_id -> its answer line, from the answers file. A last line without its newline is
-        what a crash cut short: it is removed (its request runs again). Counts follow."""
-        if not self._answers.exists():
-            return {}
+        """custom_id -> its answer line (the first recorded for it), from the journal; a line a crash
+        cut short is dropped (its request runs again). Counts follow."""
         with self._lock:
-            data = self._answers.read_bytes()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                with open(self._answers, "r+b") as f:
-                    f.truncate(end)
-                    os.fsync(f.fileno())
-            lines = [json.loads(x) for x in data[:end].splitlines() if x.strip()]
-        done = {x["custom_id"]: x for x in lines}
+            data = self.storage.read_journal(self._answers)
+        done: dict[str, dict[str, Any]] = {}
+        for raw in data.splitlines():
+            if raw.strip():
+                line = json.loads(raw)
+                done.setdefault(line["custom_id"], line)
         self.record.completed = sum(1 for x in done.values() if _succeeded(x))
         self.record.failed = len(done) - self.record.completed
         return done
 
     def append(self, line: dict[str, Any]) -> None:
-        """Record one request's answer: appended with its newline, flushed to disk before this
-        returns (the request counts as done from then on)."""
+        """Record one request's answer, durably before this returns (the request counts as done
+        from then on)."""
         data = (json.dumps(line) + "\n").encode()
         with self._lock:
-            with open(self._answers, "ab") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            self.storage.append(self._answers, data)
             if _succeeded(line):
                 self.record.completed += 1
             else:
@@ -255,7 +249,7 @@ class BatchJournal:
         return "".join(out).encode(), "".join(err).encode()
 
     def remove_answers(self) -> None:
-        self._answers.unlink(missing_ok=True)
+        self.storage.remove_journal(self._answers)
 
 
 def line_outcome(line: dict[str, Any]) -> str:

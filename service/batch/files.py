@@ -1,9 +1,9 @@
 """Uploaded files (OpenAI's Files API, `purpose=batch`) and the files a batch writes, kept in a
-directory that outlives the process and that the replicas of a node share: each file is a folder
-`{root}/files/{id}/` holding its bytes (`content`) and its file object (`object.json`), written in
-a temporary folder and renamed into place, so a file is there whole or not at all, for every
-process at once. Nothing is cached in memory: what one replica stores, another reads at once.
-A deletion renames the folder away before removing it.
+store that outlives the process and that the replicas share (service/batch/storage.py: a
+directory, or an object store through fsspec): each file is `files/{id}/content` (its bytes) and
+`files/{id}/object.json` (its file object), the object written last and removed first, so a file
+is there whole or not at all, for every process at once. Nothing is cached in memory: what one
+replica stores, another reads at once.
 
 Owners: a file belongs to the tenant that uploaded it (None: no API keys configured); another
 tenant asking for it gets "no such file", as OpenAI answers for another organisation's ids.
@@ -12,22 +12,21 @@ tenant asking for it gets "no such file", as OpenAI answers for another organisa
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from service.batch.storage import LocalStorage, Storage, open_storage
 from service.errors import APIError
 
 PURPOSES = ("batch", "batch_output")  # what a client uploads; what a batch writes (output and error files)
 UPLOAD_PURPOSES = ("batch",)
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit on a batch input file
 MAX_FILE_LINES = 50_000  # OpenAI's limit on the requests of one batch
-STALE_TEMP_S = 3600  # a temporary folder this old was left by a crash (a live write takes far less)
+STALE_WRITE_S = 3600  # a file's content without its object this old was left by a crash (a live write takes far less)
 
 
 @dataclass(frozen=True)
@@ -65,26 +64,21 @@ def no_such_file(file_id: str) -> APIError:
     return APIError(f"No such file: {file_id!r}.", status=404, param="file_id", code="file_not_found")
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """`data` at `path`, all of it or (after a crash) nothing: a temporary file, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class FileStore:
-    """Files by id under `root`/files; `max_bytes` and `max_lines` bound an upload (413 beyond)."""
+    """Files by id under `files/` of `root` (a Storage, a directory or a URI); `max_bytes` and
+    `max_lines` bound an upload (413 beyond)."""
 
-    def __init__(self, root: str | Path, max_bytes: int = MAX_FILE_BYTES, max_lines: int = MAX_FILE_LINES) -> None:
-        self.dir = Path(root) / "files"
-        self.dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: str | Path | Storage, max_bytes: int = MAX_FILE_BYTES,
+                 max_lines: int = MAX_FILE_LINES) -> None:
+        self.storage = open_storage(root)
         self.max_bytes, self.max_lines = max_bytes, max_lines
-        for leftover in self.dir.glob(".*"):  # a crash's half-written or half-deleted folders, an hour old
-            if time.time() - leftover.stat().st_mtime > STALE_TEMP_S:
-                shutil.rmtree(leftover, ignore_errors=True)
+        if isinstance(self.storage, LocalStorage):
+            self.storage.remove_stale_temps("files")
+        for name in self.storage.names("files"):  # a crash between a file's content and its object, an hour ago
+            if name.startswith("file-") and not self.storage.exists(f"files/{name}/object.json"):
+                age = self.storage.age(f"files/{name}/content")
+                if age is not None and age > STALE_WRITE_S:
+                    self.storage.remove_folder(f"files/{name}")
 
     def create(self, content: bytes, filename: str, purpose: str, owner: str | None) -> FileRecord:
         """Store an upload; APIError 400 for an unknown purpose, 413 for a file over the limits."""
@@ -109,14 +103,8 @@ class FileStore:
         record = FileRecord(id=file_id or f"file-{secrets.token_hex(12)}", bytes=len(content),
                             created_at=int(time.time()), filename=filename, purpose=purpose, owner=owner,
                             lines=lines if lines is not None else sum(1 for x in content.splitlines() if x.strip()))
-        tmp = self.dir / f".new-{record.id}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        write_atomically(tmp / "content", content)
-        write_atomically(tmp / "object.json", json.dumps(asdict(record)).encode())
-        final = self.dir / record.id
-        if final.exists():  # a batch's output written again after a restart: the new one replaces it
-            self._remove(final)
-        os.replace(tmp, final)
+        self.storage.put(f"files/{record.id}/content", content)
+        self.storage.put(f"files/{record.id}/object.json", json.dumps(asdict(record)).encode())  # last: it is there now
         return record
 
     def get(self, file_id: str, owner: str | None) -> FileRecord:
@@ -128,30 +116,23 @@ class FileStore:
 
     def content(self, file_id: str, owner: str | None) -> bytes:
         try:
-            return (self.dir / self.get(file_id, owner).id / "content").read_bytes()
+            return self.storage.get(f"files/{self.get(file_id, owner).id}/content")
         except FileNotFoundError:  # deleted by another process between the two reads
             raise no_such_file(file_id) from None
 
     def delete(self, file_id: str, owner: str | None) -> dict[str, Any]:
         """Remove the file; OpenAI's deletion object."""
         record = self.get(file_id, owner)
-        self._remove(self.dir / record.id)
+        self.storage.remove(f"files/{record.id}/object.json")  # first: no reader sees the file from now on
+        self.storage.remove_folder(f"files/{record.id}")
         return {"id": record.id, "object": "file", "deleted": True}
-
-    def _remove(self, folder: Path) -> None:
-        gone = self.dir / f".gone-{folder.name}-{secrets.token_hex(4)}"
-        try:
-            os.replace(folder, gone)  # atomic: no reader sees a folder without its content
-        except FileNotFoundError:
-            return
-        shutil.rmtree(gone, ignore_errors=True)
 
     def _read(self, file_id: str) -> FileRecord | None:
         if not file_id.startswith("file-") or "/" in file_id or file_id in (".", ".."):
             return None
         try:
-            return FileRecord(**json.loads((self.dir / file_id / "object.json").read_text()))
-        except (FileNotFoundError, NotADirectoryError):
+            return FileRecord(**json.loads(self.storage.get(f"files/{file_id}/object.json")))
+        except FileNotFoundError:
             return None
 
     def list(self, owner: str | None, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
@@ -162,7 +143,7 @@ class FileStore:
             raise APIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
         if not 1 <= limit <= 10_000:
             raise APIError(f"limit must be between 1 and 10000, got {limit}.", param="limit")
-        records = (self._read(entry.name) for entry in os.scandir(self.dir) if entry.name.startswith("file-"))
+        records = (self._read(name) for name in self.storage.names("files") if name.startswith("file-"))
         mine = [r for r in records if r is not None and r.owner == owner and purpose in (None, r.purpose)]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=order == "desc")
         return list_page(mine, after, limit, no_such_file)

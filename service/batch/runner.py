@@ -3,10 +3,11 @@
 service: the interactive endpoint of the batch, at the lowest priority), so that a line gets
 exactly the answer, or the error, the endpoint would give it.
 
-Several processes (the replicas of a node) may share the directory: every call reads the batch
-as last saved, and a batch runs in the one process that holds its lock (`{id}.lock`, an OS file
-lock, given back when the run ends or the process dies). A cancel that reaches another process
-leaves a marker (`{id}.cancel`) that the running one reads before each request.
+Several processes (the replicas) may share the store: every call reads the batch as last saved,
+and a batch runs in the one process that holds its lock (`batches/{id}.lock`: an OS file lock in
+a directory, given back when the run ends or the process dies; a lease in an object store, taken
+over once a dead holder's has run out). A cancel that reaches another process leaves a marker
+(`batches/{id}.cancel`) that the running one reads before each request.
 
 A batch whose process stopped resumes where its journal ends (service/batch/batches.py): the
 requests already answered are not sent again. An error raised by `send` itself (not an answer:
@@ -17,7 +18,6 @@ the engine gone, the process stopping) ends `run` without recording that request
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +26,7 @@ from typing import Any
 
 from service.batch.batches import TERMINAL, BatchJournal, BatchRecord, answer_line, check_input, line_outcome, new_batch
 from service.batch.files import FileStore, list_page
+from service.batch.storage import Storage, open_storage
 from service.errors import APIError
 
 SAVE_EVERY_S = 0.5  # how stale the counts another process reads may be while a batch runs (the journal is exact)
@@ -39,16 +40,14 @@ def no_such_batch(batch_id: str) -> APIError:
 
 
 class BatchRunner:
-    """The batches kept under `root`, their files in `files`; at most `concurrency` requests of a
-    batch in flight at once. `clock`: seconds since the epoch (tests move it). `on_line(outcome)`:
+    """The batches kept under `root` (a Storage, a directory or a URI), their files in `files`; at
+    most `concurrency` requests of a batch in flight at once. `clock`: seconds since the epoch (tests move it). `on_line(outcome)`:
     called for each line this process records (`line_outcome`: completed, failed, expired)."""
 
-    def __init__(self, root: str | Path, files: FileStore, send: Send, concurrency: int = 4,
+    def __init__(self, root: str | Path | Storage, files: FileStore, send: Send, concurrency: int = 4,
                  clock: Callable[[], float] = time.time, on_line: Callable[[str], None] | None = None) -> None:
-        self.root, self.files, self.send = Path(root), files, send
+        self.root, self.files, self.send = open_storage(root), files, send
         self.concurrency, self.clock, self.on_line = concurrency, clock, on_line
-        self.dir = self.root / "batches"
-        self.dir.mkdir(parents=True, exist_ok=True)
 
     # ---- the API's calls ---------------------------------------------------------------------
 
@@ -85,7 +84,7 @@ class BatchRunner:
         if record.status in TERMINAL:
             raise APIError(f"Batch {batch_id!r} has status {record.status!r} and cannot be cancelled.", status=409,
                            code="batch_not_cancellable")
-        (self.dir / f"{batch_id}.cancel").touch()
+        self.root.put(f"batches/{batch_id}.cancel", b"")
         with self._hold(batch_id) as held:
             if held:  # nobody runs it: say so in its record now (a running process does it itself)
                 record = BatchJournal.load(self.root, batch_id) or record
@@ -106,34 +105,34 @@ class BatchRunner:
         """Take the batch to its end: validate its input (failed, every bad line named, when the
         structure is wrong), send each request not yet answered, then write the output and error
         files. Stops early, ending the batch accordingly, when it is cancelled or its window ends.
-        None when another process runs it."""
-        with self._hold(batch_id) as held:
-            if not held:
-                return None
-            record = BatchJournal.load(self.root, batch_id)
+        None when another process runs it. The store is read and written off the event loop (an
+        object store answers over the network)."""
+        lock = await asyncio.to_thread(self.root.lock, f"batches/{batch_id}.lock")
+        if lock is None:
+            return None
+        try:
+            record = await asyncio.to_thread(BatchJournal.load, self.root, batch_id)
             if record is None:
                 raise no_such_batch(batch_id)
             return await self._run(BatchJournal(self.root, record))
+        finally:
+            await asyncio.to_thread(lock.release)
 
     @contextmanager
     def _hold(self, batch_id: str) -> Iterator[bool]:
         """The batch's lock, if no other process holds it (True inside), for as long as the block runs."""
-        with open(self.dir / f"{batch_id}.lock", "a") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        lock = self.root.lock(f"batches/{batch_id}.lock")
+        try:
+            yield lock is not None
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _cancelled(self, journal: BatchJournal) -> bool:
         """Whether the batch is to stop (its record says so, or a cancel left its marker)."""
         if journal.record.status == "cancelling":
             return True
-        if (self.dir / f"{journal.record.id}.cancel").exists():
+        if self.root.exists(f"batches/{journal.record.id}.cancel"):
             self._cancelling(journal)
             return True
         return False
@@ -147,29 +146,30 @@ class BatchRunner:
         if record.status in TERMINAL:
             return record
         try:
-            content = self.files.content(record.input_file_id, record.owner)
+            content = await asyncio.to_thread(self.files.content, record.input_file_id, record.owner)
         except APIError:
-            return self._fail(journal, [{"code": "file_not_found", "message": f"The input file "
-                                         f"{record.input_file_id!r} was deleted.", "param": "input_file_id",
-                                         "line": None}])
+            return await asyncio.to_thread(self._fail, journal, [{
+                "code": "file_not_found", "message": f"The input file {record.input_file_id!r} was deleted.",
+                "param": "input_file_id", "line": None}])
         requests, errors = check_input(content, record.endpoint)
-        if record.status == "validating" and not self._cancelled(journal):
+        if record.status == "validating" and not await asyncio.to_thread(self._cancelled, journal):
             if errors:
-                return self._fail(journal, errors)
+                return await asyncio.to_thread(self._fail, journal, errors)
             record.total = len(requests)
             record.enter("in_progress", self.clock())
-            journal.save()
-        done = journal.answered()
+            await asyncio.to_thread(journal.save)
+        done = await asyncio.to_thread(journal.answered)
         todo = [r for r in requests if r.custom_id not in done]
         limit = asyncio.Semaphore(self.concurrency)
         saved = [time.monotonic()]
 
         async def one(request) -> None:
             async with limit:
-                if self._cancelled(journal) or self.clock() >= record.expires_at:
+                if self.clock() >= record.expires_at or await asyncio.to_thread(self._cancelled, journal):
                     return
                 status, body = await self.send(record.endpoint, request.body, record.owner)
-                # The disk writes (an fsync per line) off the event loop that serves interactive requests.
+                # The store's writes (an fsync, or an object store's PUT, per line) off the event loop
+                # that serves interactive requests.
                 await asyncio.to_thread(self._record, journal, answer_line(record.id, request.custom_id, status, body))
                 if time.monotonic() - saved[0] >= SAVE_EVERY_S:  # the counts, for every process that reads the batch
                     saved[0] = time.monotonic()
@@ -178,7 +178,13 @@ class BatchRunner:
         try:
             await asyncio.gather(*(one(r) for r in todo))
         finally:  # the counts as the journal has them, also when `send` failed (a killed process's catch up on resume)
-            journal.save()
+            await asyncio.to_thread(journal.save)
+        return await asyncio.to_thread(self._end, journal, requests)
+
+    def _end(self, journal: BatchJournal, requests: list) -> BatchRecord:
+        """After the requests: cancelled, expired (an error line for each request not run) or
+        completed, with the output and error files."""
+        record = journal.record
         if self._cancelled(journal):
             end = "cancelled"
         elif self.clock() >= record.expires_at and len(journal.answered()) < len(requests):
@@ -221,5 +227,5 @@ class BatchRunner:
         record.enter(end, self.clock())
         journal.save()
         journal.remove_answers()
-        (self.dir / f"{record.id}.cancel").unlink(missing_ok=True)
+        self.root.remove(f"batches/{record.id}.cancel")
         return record

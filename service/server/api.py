@@ -27,6 +27,7 @@ from service.anthropic.routes import MESSAGES_PATH, add_messages_routes, anthrop
 from service.batch.api import LOWEST_PRIORITY, BatchLoop, add_batch_routes, in_process_send
 from service.batch.files import FileStore
 from service.batch.runner import BatchRunner
+from service.batch.storage import open_storage
 from service.errors import APIError, from_validation_error
 from service.explorer.attention_api import add_attention_routes
 from service.http.engine_call import watch_first_item
@@ -112,10 +113,11 @@ def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSet
     def tenant(name: str) -> Tenant | None:
         return table.tenant(name) if table is not None else None
 
-    files = FileStore(settings.batch_dir, settings.batch_max_file_bytes, settings.batch_max_lines)
+    store = open_storage(settings.batch_dir)  # one view of the store for the files and the runner (one lease holder)
+    files = FileStore(store, settings.batch_max_file_bytes, settings.batch_max_lines)
     send = in_process_send(app, tenant, LOWEST_PRIORITY if getattr(serving, "priority_scheduling", False) else None,
                            busy=lambda: serving.num_waiting() > 0)
-    runner = BatchRunner(settings.batch_dir, files, send, settings.batch_concurrency,
+    runner = BatchRunner(store, files, send, settings.batch_concurrency,
                          on_line=metrics.observe_batch_line if metrics is not None else None)
     loop = BatchLoop(runner, on_statuses=metrics.set_batches if metrics is not None else None)
     add_batch_routes(app, runner, loop)

@@ -29,18 +29,27 @@ def test_serve_never_caps_the_batch_by_default() -> None:
 @pytest.mark.parametrize("bad", [{"max_num_seq": 8}, {"accelerator": "tpu"}, {"block_size": 0},
                                  {"overload_status": 500}, {"num_replicas": 0},
                                  {"batch_dir": "/tmp/b", "models": [{"model": "transformer-base"}]},
-                                 {"batch_dir": "s3://bucket/batches"}])
+                                 {"batch_dir": "memory://batches"}])
 def test_bad_arguments_fail_at_build_time(bad: dict) -> None:
     with pytest.raises(ValidationError):
         call_user_app_builder_with_args_if_necessary(build_app, bad)
 
 
-def test_batch_dir_is_made_absolute_and_takes_a_file_uri(tmp_path, monkeypatch) -> None:
+def test_batch_dir_is_made_absolute_and_takes_a_file_uri_or_an_installed_fsspec_filesystem(tmp_path,
+                                                                                              monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # a replica's working directory is not this one: the path is fixed here
     assert AppArgs(batch_dir="batches").batch_dir == str(tmp_path / "batches")
     assert AppArgs(batch_dir=f"file://{tmp_path}/b").batch_dir == str(tmp_path / "b")
-    with pytest.raises(ValidationError, match=r"an object store \(s3://\) is not supported"):
-        AppArgs(batch_dir="s3://bucket/batches")
+    assert AppArgs(batch_dir=f"local://{tmp_path}/c").batch_dir == f"local://{tmp_path}/c"  # fsspec's, as given
+    import importlib.util
+
+    if importlib.util.find_spec("s3fs") is None:  # the error names the package to install
+        with pytest.raises(ValidationError, match=r"fsspec cannot open s3:// here \(Install s3fs"):
+            AppArgs(batch_dir="s3://bucket/batches")
+    with pytest.raises(ValidationError, match=r"memory:// lives in one process"):
+        AppArgs(batch_dir="memory://batches")
+    with pytest.raises(ValidationError, match=r"fsspec cannot open nope:// here"):
+        AppArgs(batch_dir="nope://x")
 
 
 def test_a_max_model_len_the_cache_cannot_hold_fails_at_build_time_in_one_line() -> None:

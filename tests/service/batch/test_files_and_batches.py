@@ -1,6 +1,7 @@
-"""Files and batches on disk (service/batch/): uploads with their limits and owners, an input
-file's checks line by line, the batch object's arguments, and the journal that a restart reads
-back without losing or repeating an answer."""
+"""Files and batches in their store (service/batch/): uploads with their limits and owners, an
+input file's checks line by line, the batch object's arguments, and the journal that a restart
+reads back without losing or repeating an answer; on a directory and on an object store (the
+`root` fixture of conftest.py), and the lease that keeps a batch in one process of an object store."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from service.batch.batches import BatchJournal, answer_line, check_input, new_batch
 from service.batch.files import FileStore
+from service.batch.storage import FsspecStorage, open_storage
 from service.errors import APIError
 
 CHAT = "/v1/chat/completions"
@@ -28,8 +30,8 @@ def jsonl(*lines: str) -> bytes:
 
 # ---- files ----------------------------------------------------------------------------------
 
-def test_an_upload_is_kept_listed_read_and_deleted(tmp_path) -> None:
-    store = FileStore(tmp_path)
+def test_an_upload_is_kept_listed_read_and_deleted(root) -> None:
+    store = FileStore(root)
     content = jsonl(line("a"), line("b"))
     record = store.create(content, "in.jsonl", "batch", owner=None)
     obj = record.to_openai()
@@ -41,11 +43,11 @@ def test_an_upload_is_kept_listed_read_and_deleted(tmp_path) -> None:
     with pytest.raises(APIError) as err:
         store.get(record.id, None)
     assert err.value.status == 404
-    assert [p for p in (tmp_path / "files").iterdir()] == []
+    assert open_storage(root).names("files") == []
 
 
-def test_a_file_is_seen_only_by_its_owner(tmp_path) -> None:
-    store = FileStore(tmp_path)
+def test_a_file_is_seen_only_by_its_owner(root) -> None:
+    store = FileStore(root)
     mine = store.create(jsonl(line("a")), "a.jsonl", "batch", owner="tenant-a")
     for call in (lambda: store.get(mine.id, "tenant-b"), lambda: store.content(mine.id, "tenant-b"),
                  lambda: store.delete(mine.id, "tenant-b"), lambda: store.get(mine.id, None)):
@@ -55,8 +57,8 @@ def test_a_file_is_seen_only_by_its_owner(tmp_path) -> None:
     assert store.list("tenant-b")["data"] == [] and len(store.list("tenant-a")["data"]) == 1
 
 
-def test_uploads_over_the_limits_are_413_and_a_wrong_purpose_400(tmp_path) -> None:
-    store = FileStore(tmp_path, max_bytes=200, max_lines=2)
+def test_uploads_over_the_limits_are_413_and_a_wrong_purpose_400(root) -> None:
+    store = FileStore(root, max_bytes=200, max_lines=2)
     with pytest.raises(APIError) as err:
         store.create(b"x" * 201, "big.jsonl", "batch", None)
     assert (err.value.status, err.value.code) == (413, "file_too_large")
@@ -69,8 +71,8 @@ def test_uploads_over_the_limits_are_413_and_a_wrong_purpose_400(tmp_path) -> No
     assert store.list(None)["data"] == []
 
 
-def test_listing_pages_with_after_and_limit_in_either_order(tmp_path) -> None:
-    store = FileStore(tmp_path)
+def test_listing_pages_with_after_and_limit_in_either_order(root) -> None:
+    store = FileStore(root)
     ids = [store.create(jsonl(line(str(i))), f"{i}.jsonl", "batch", None).id for i in range(5)]
     newest_first = [f["id"] for f in store.list(None)["data"]]
     assert sorted(newest_first) == sorted(ids)
@@ -84,8 +86,8 @@ def test_listing_pages_with_after_and_limit_in_either_order(tmp_path) -> None:
             store.list(None, **bad)
 
 
-def test_files_outlive_the_store_and_every_process_sees_them_at_once(tmp_path) -> None:
-    one, other = FileStore(tmp_path), FileStore(tmp_path)  # two replicas sharing the directory
+def test_files_outlive_the_store_and_every_process_sees_them_at_once(root) -> None:
+    one, other = FileStore(root), FileStore(root)  # two replicas sharing the directory
     kept = one.create(jsonl(line("a")), "a.jsonl", "batch", None)
     assert other.content(kept.id, None) == one.content(kept.id, None)
     assert [f["id"] for f in other.list(None)["data"]] == [kept.id]
@@ -97,17 +99,22 @@ def test_files_outlive_the_store_and_every_process_sees_them_at_once(tmp_path) -
 def test_a_crash_mid_write_leaves_no_half_file(tmp_path) -> None:
     store = FileStore(tmp_path)
     kept = store.create(jsonl(line("a")), "a.jsonl", "batch", None)
-    half = tmp_path / "files" / ".new-file-0123-ab12"  # a write cut short: content, no object
+    old = time.time() - 2 * 3600
+    half = tmp_path / "files" / "file-0123"  # a write cut short: content, no object
     half.mkdir()
     (half / "content").write_bytes(b"half")
-    fresh = tmp_path / "files" / ".new-file-4567-cd34"  # another process writing right now
+    os.utime(half / "content", (old, old))
+    torn = tmp_path / "files" / kept.id / ".content.ab12.tmp"  # a temporary file a crash left
+    torn.write_bytes(b"torn")
+    os.utime(torn, (old, old))
+    fresh = tmp_path / "files" / "file-4567"  # another process writing right now
     fresh.mkdir()
-    old = time.time() - 2 * 3600
-    os.utime(half, (old, old))
+    (fresh / "content").write_bytes(b"new")
     FileStore(tmp_path)  # a start removes what a crash left an hour ago, never a write in progress
-    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted([".new-file-4567-cd34", kept.id])
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(["file-4567", kept.id])
+    assert sorted(p.name for p in (tmp_path / "files" / kept.id).iterdir()) == ["content", "object.json"]
     assert [f["id"] for f in store.list(None)["data"]] == [kept.id]
-    for bad in ("file-0123", "../files", "file-x/../../etc"):
+    for bad in ("file-0123", "file-4567", "../files", "file-x/../../etc"):
         with pytest.raises(APIError):
             store.get(bad, None)
 
@@ -177,7 +184,7 @@ def test_answers_survive_a_restart_and_a_line_cut_short_is_run_again(tmp_path) -
     journal.append(answer_line(record.id, "a", 200, {"choices": []}))
     journal.append(answer_line(record.id, "b", 400, {"error": {"message": "bad"}}))
     assert (record.completed, record.failed) == (1, 1)
-    with open(journal._answers, "ab") as f:  # a crash while the third answer was being written
+    with open(tmp_path / journal._answers, "ab") as f:  # a crash while the third answer was being written
         f.write(b'{"id": "batch_req_x", "custom_id": "c", "resp')
     reopened = BatchJournal(tmp_path, BatchJournal.load(tmp_path, record.id))
     assert reopened.record.status == "in_progress" and reopened.record.total == 3
@@ -189,6 +196,45 @@ def test_answers_survive_a_restart_and_a_line_cut_short_is_run_again(tmp_path) -
     assert [json.loads(x)["custom_id"] for x in output.splitlines()] == ["c", "a"]
     assert [json.loads(x)["custom_id"] for x in errors.splitlines()] == ["b"]
     assert json.loads(errors)["response"]["status_code"] == 400
+
+
+def test_an_object_store_journal_keeps_each_answer_as_an_object_and_one_answer_per_request(root) -> None:
+    record = new_batch(CHAT, "file-1", "24h", None, owner=None)
+    journal = BatchJournal(root, record)
+    journal.append(answer_line(record.id, "a", 200, {"choices": ["first"]}))
+    journal.append(answer_line(record.id, "b", 200, {"choices": []}))
+    # Two processes that both held the batch (a lease taken over from a holder still running) answer
+    # "a" twice: the output keeps the first answer, the counts count it once.
+    journal.append(answer_line(record.id, "a", 200, {"choices": ["second"]}))
+    reopened = BatchJournal(root, record)
+    assert list(reopened.answered()) == ["a", "b"] and reopened.record.completed == 2
+    output, _ = reopened.split_answers(["a", "b"])
+    assert [json.loads(x)["response"]["body"]["choices"] for x in output.splitlines()] == [["first"], []]
+    reopened.remove_answers()
+    assert BatchJournal(root, record).answered() == {}
+
+
+def test_an_object_store_lease_keeps_a_key_in_one_process_until_released_or_run_out(monkeypatch) -> None:
+    from service.batch import storage
+
+    monkeypatch.setattr(storage, "LEASE_SETTLE_S", 0.0)
+    url = f"memory://qkv-lease-{os.getpid()}-{time.monotonic_ns()}"
+    one, other = FsspecStorage(url, lease_s=30.0), FsspecStorage(url, lease_s=30.0)  # two processes' views
+    held = one.lock("batches/b.lock")
+    assert held is not None and other.lock("batches/b.lock") is None
+    held.release()
+    assert not one.exists("batches/b.lock")  # released: removed, the next taker need not wait
+    again = other.lock("batches/b.lock")
+    assert again is not None and one.lock("batches/b.lock") is None
+    # A holder that died leaves its lease; once it has run out, another process takes it over.
+    lease = other.read_lease("batches/b.lock")
+    other.put("batches/b.lock", json.dumps({**lease, "until": time.time() - 1}).encode())
+    taken = one.lock("batches/b.lock")
+    assert taken is not None and one.read_lease("batches/b.lock")["holder"] == one.holder
+    again.release()  # the old holder, ending late, leaves the new holder's lease alone
+    assert one.read_lease("batches/b.lock")["holder"] == one.holder and other.lock("batches/b.lock") is None
+    taken.release()
+    assert other.lock("batches/b.lock") is not None
 
 
 def test_a_request_that_never_ran_gets_an_error_line() -> None:

@@ -1,7 +1,8 @@
 """Running batches (service/batch/runner.py) from validation to their end, through a `send` that
 answers as an endpoint does (200 with a body, or 400 with the error shape for a body it refuses):
 the output and error files, cancellation, expiry, owners, and a restart mid-batch that neither
-loses an answer nor sends a request twice."""
+loses an answer nor sends a request twice; each on a directory and on an object store (the
+`root` fixture of conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from service.batch.api import BatchLoop
 from service.batch.batches import STATUSES, BatchJournal
 from service.batch.files import FileStore
 from service.batch.runner import BatchRunner
+from service.batch.storage import open_storage
 from service.errors import APIError
 from tests.support.polling import wait_until_async
 
@@ -60,9 +62,9 @@ def lines_of(files: FileStore, file_id: str | None, owner: str | None = None) ->
     return [] if file_id is None else [json.loads(x) for x in files.content(file_id, owner).splitlines()]
 
 
-def test_a_batch_runs_to_completed_with_its_output_and_error_files(tmp_path) -> None:
-    files, endpoint, outcomes = FileStore(tmp_path), Endpoint(), Counter()
-    runner = BatchRunner(tmp_path, files, endpoint, on_line=lambda o: outcomes.update([o]))
+def test_a_batch_runs_to_completed_with_its_output_and_error_files(root) -> None:
+    files, endpoint, outcomes = FileStore(root), Endpoint(), Counter()
+    runner = BatchRunner(root, files, endpoint, on_line=lambda o: outcomes.update([o]))
     file_id = upload(files, request_line("a"), request_line("bad", max_tokens=0), request_line("c"))
     batch = runner.create(file_id, CHAT, "24h", {"job": "t"}, None)
     assert runner.pending() == [batch.id]
@@ -81,9 +83,9 @@ def test_a_batch_runs_to_completed_with_its_output_and_error_files(tmp_path) -> 
     assert outcomes == Counter({"completed": 2, "failed": 1})  # what qkv_batch_lines_total counts
 
 
-def test_a_file_with_a_wrong_structure_fails_the_batch_and_sends_nothing(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
-    runner = BatchRunner(tmp_path, files, endpoint)
+def test_a_file_with_a_wrong_structure_fails_the_batch_and_sends_nothing(root) -> None:
+    files, endpoint = FileStore(root), Endpoint()
+    runner = BatchRunner(root, files, endpoint)
     file_id = upload(files, request_line("a"), "not json", request_line("a"))
     batch = asyncio.run(runner.run(runner.create(file_id, CHAT, "24h", None, None).id)).to_openai()
     assert batch["status"] == "failed" and batch["failed_at"] and batch["output_file_id"] is None
@@ -92,18 +94,18 @@ def test_a_file_with_a_wrong_structure_fails_the_batch_and_sends_nothing(tmp_pat
     assert not endpoint.sent
 
 
-def test_a_restart_mid_batch_sends_only_what_was_not_answered(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
+def test_a_restart_mid_batch_sends_only_what_was_not_answered(root) -> None:
+    files, endpoint = FileStore(root), Endpoint()
     ids = [f"r{i}" for i in range(7)]
     file_id = upload(files, *(request_line(i) for i in ids))
-    first = BatchRunner(tmp_path, files, endpoint, concurrency=1)
+    first = BatchRunner(root, files, endpoint, concurrency=1)
     batch_id = first.create(file_id, CHAT, "24h", None, None).id
     endpoint.fail_after = 3
     with pytest.raises(RuntimeError, match="went away"):
         asyncio.run(first.run(batch_id))
     # The process stops here; a new one opens the same directory.
     endpoint.fail_after = None
-    second = BatchRunner(tmp_path, FileStore(tmp_path), endpoint)
+    second = BatchRunner(root, FileStore(root), endpoint)
     record = second.get(batch_id, None)
     assert record.status == "in_progress" and (record.completed, record.total) == (3, 7)
     assert second.pending() == [batch_id]
@@ -111,13 +113,13 @@ def test_a_restart_mid_batch_sends_only_what_was_not_answered(tmp_path) -> None:
     assert done.status == "completed" and done.completed == 7
     assert [x["custom_id"] for x in lines_of(second.files, done.output_file_id)] == ids
     assert endpoint.sent == Counter({i: 1 for i in ids})  # none sent twice, none lost
-    third = BatchRunner(tmp_path, FileStore(tmp_path), endpoint)  # an ended batch keeps its counts
+    third = BatchRunner(root, FileStore(root), endpoint)  # an ended batch keeps its counts
     assert third.get(batch_id, None).to_openai()["request_counts"] == {"total": 7, "completed": 7, "failed": 0}
 
 
-def test_cancelling_ends_the_batch_with_the_answers_so_far(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
-    runner = BatchRunner(tmp_path, files, endpoint, concurrency=2)
+def test_cancelling_ends_the_batch_with_the_answers_so_far(root) -> None:
+    files, endpoint = FileStore(root), Endpoint()
+    runner = BatchRunner(root, files, endpoint, concurrency=2)
     batch_id = runner.create(upload(files, *(request_line(f"r{i}") for i in range(6))), CHAT, "24h", None, None).id
 
     async def scenario():
@@ -138,10 +140,10 @@ def test_cancelling_ends_the_batch_with_the_answers_so_far(tmp_path) -> None:
     assert err.value.status == 409
 
 
-def test_an_expired_batch_gives_each_request_not_run_an_expired_error(tmp_path) -> None:
-    files, endpoint, outcomes = FileStore(tmp_path), Endpoint(), Counter()
+def test_an_expired_batch_gives_each_request_not_run_an_expired_error(root) -> None:
+    files, endpoint, outcomes = FileStore(root), Endpoint(), Counter()
     now = [1_000_000.0]
-    runner = BatchRunner(tmp_path, files, endpoint, clock=lambda: now[0], on_line=lambda o: outcomes.update([o]))
+    runner = BatchRunner(root, files, endpoint, clock=lambda: now[0], on_line=lambda o: outcomes.update([o]))
     batch = runner.create(upload(files, request_line("a"), request_line("b")), CHAT, "24h", None, None)
     now[0] = batch.expires_at + 1.0
     done = asyncio.run(runner.run(batch.id)).to_openai()
@@ -152,9 +154,9 @@ def test_an_expired_batch_gives_each_request_not_run_an_expired_error(tmp_path) 
     assert outcomes == Counter({"expired": 2})
 
 
-def test_a_tenant_sees_and_cancels_only_its_own_batches(tmp_path) -> None:
-    files = FileStore(tmp_path)
-    runner = BatchRunner(tmp_path, files, Endpoint())
+def test_a_tenant_sees_and_cancels_only_its_own_batches(root) -> None:
+    files = FileStore(root)
+    runner = BatchRunner(root, files, Endpoint())
     theirs = upload(files, request_line("a"), owner="tenant-a")
     with pytest.raises(APIError) as err:
         runner.create(theirs, CHAT, "24h", None, "tenant-b")
@@ -171,9 +173,9 @@ def test_a_tenant_sees_and_cancels_only_its_own_batches(tmp_path) -> None:
     assert err.value.param == "input_file_id"
 
 
-def test_listing_batches_pages_newest_first(tmp_path) -> None:
-    files = FileStore(tmp_path)
-    runner = BatchRunner(tmp_path, files, Endpoint())
+def test_listing_batches_pages_newest_first(root) -> None:
+    files = FileStore(root)
+    runner = BatchRunner(root, files, Endpoint())
     file_id = upload(files, request_line("a"))
     made = [runner.create(file_id, CHAT, "24h", None, None).id for _ in range(5)]
     everything = [b["id"] for b in runner.list(None, limit=100)["data"]]
@@ -183,13 +185,13 @@ def test_listing_batches_pages_newest_first(tmp_path) -> None:
     assert [b["id"] for b in runner.list(None, after=page["last_id"])["data"]] == everything[2:]
 
 
-def test_replicas_sharing_the_directory_see_one_batch_run_once_and_cancel_it_from_either(tmp_path) -> None:
+def test_replicas_sharing_the_directory_see_one_batch_run_once_and_cancel_it_from_either(root) -> None:
     """Two runners over one directory, as the replicas of a node: a batch created by one is seen
     by the other, runs in only one of them (the other's run returns None while it holds the lock),
     and a cancel that reaches the other stops it."""
     endpoint = Endpoint()
-    one = BatchRunner(tmp_path, FileStore(tmp_path), endpoint, concurrency=1)
-    other = BatchRunner(tmp_path, FileStore(tmp_path), endpoint, concurrency=1)
+    one = BatchRunner(root, FileStore(root), endpoint, concurrency=1)
+    other = BatchRunner(root, FileStore(root), endpoint, concurrency=1)
     batch_id = one.create(upload(one.files, *(request_line(f"r{i}") for i in range(5))), CHAT, "24h", None, None).id
     assert other.pending() == [batch_id] and other.get(batch_id, None).status == "validating"
 
@@ -206,12 +208,12 @@ def test_replicas_sharing_the_directory_see_one_batch_run_once_and_cancel_it_fro
     done = asyncio.run(scenario())
     assert done.status == "cancelled" and done.completed == 1 and sum(endpoint.sent.values()) == 1
     assert other.get(batch_id, None).to_openai()["request_counts"]["completed"] == 1
-    assert other.pending() == [] and not (tmp_path / "batches" / f"{batch_id}.cancel").exists()
+    assert other.pending() == [] and not open_storage(root).exists(f"batches/{batch_id}.cancel")
 
 
-def test_a_batch_cancelled_before_it_runs_ends_without_sending_anything(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
-    runner = BatchRunner(tmp_path, files, endpoint)
+def test_a_batch_cancelled_before_it_runs_ends_without_sending_anything(root) -> None:
+    files, endpoint = FileStore(root), Endpoint()
+    runner = BatchRunner(root, files, endpoint)
     batch_id = runner.create(upload(files, request_line("a")), CHAT, "24h", None, None).id
     assert runner.cancel(batch_id, None).status == "cancelling"
     assert runner.get(batch_id, None).status == "cancelling"  # written at once: nobody was running it
@@ -219,21 +221,21 @@ def test_a_batch_cancelled_before_it_runs_ends_without_sending_anything(tmp_path
     assert done.status == "cancelled" and not endpoint.sent and done.output_file_id is None
 
 
-def test_the_batches_are_counted_by_status_every_status_named(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
-    runner = BatchRunner(tmp_path, files, endpoint)
+def test_the_batches_are_counted_by_status_every_status_named(root) -> None:
+    files, endpoint = FileStore(root), Endpoint()
+    runner = BatchRunner(root, files, endpoint)
     first = runner.create(upload(files, request_line("a")), CHAT, "24h", None, None)
     runner.create(upload(files, request_line("b"), owner="tenant-b"), CHAT, "24h", None, "tenant-b")  # every owner's
     asyncio.run(runner.run(first.id))
-    counts = BatchJournal.status_counts(tmp_path)
+    counts = BatchJournal.status_counts(root)
     assert set(counts) == set(STATUSES)  # a status no batch has is 0, so its gauge falls back
     assert counts["completed"] == 1 and counts["validating"] == 1 and sum(counts.values()) == 2
 
 
-def test_the_loop_reports_the_statuses_while_it_runs_a_batch(tmp_path) -> None:
-    files, endpoint = FileStore(tmp_path), Endpoint()
+def test_the_loop_reports_the_statuses_while_it_runs_a_batch(root) -> None:
+    files, endpoint = FileStore(root), Endpoint()
     endpoint.gate = asyncio.Event()  # the batch's requests wait: the loop is busy running it
-    runner = BatchRunner(tmp_path, files, endpoint)
+    runner = BatchRunner(root, files, endpoint)
     runner.create(upload(files, request_line("a"), request_line("b")), CHAT, "24h", None, None)
     reports: list[dict[str, int]] = []
 

@@ -56,7 +56,10 @@ def run(engine: Any, settings: IngressSettings, scenario) -> None:
     asyncio.run(main())
 
 
-def test_a_batch_gets_what_the_endpoint_answers_line_by_line(engine: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["directory", "fsspec"])
+def test_a_batch_gets_what_the_endpoint_answers_line_by_line(engine: Any, tmp_path: Path, where: str) -> None:
+    """`fsspec`: batch_dir a `local://` URI, fsspec's own local filesystem, run as an object store
+    (service/batch/storage.py: an object per journal line, a lease), the path an s3:// store takes."""
     async def scenario(client) -> None:
         oai = client()
         prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12], "c": [20, 21]}
@@ -85,7 +88,11 @@ def test_a_batch_gets_what_the_endpoint_answers_line_by_line(engine: Any, tmp_pa
         assert error["response"]["body"]["error"]["param"] == direct_error.value.body["param"] == "max_tokens"
         assert [b.id async for b in oai.batches.list()] == [batch.id]
 
-    run(engine, IngressSettings(batch_dir=str(tmp_path)), scenario)
+    batch_dir = str(tmp_path) if where == "directory" else f"local://{tmp_path}"
+    run(engine, IngressSettings(batch_dir=batch_dir), scenario)
+    if where == "fsspec":  # the journal's objects are gone with the batch, and its lease with its run
+        assert not list((tmp_path / "batches").glob("*.answers.jsonl*"))
+        assert not list((tmp_path / "batches").glob("*.lock"))
 
 
 def test_a_file_with_a_wrong_structure_fails_its_batch_with_the_lines_named(engine: Any, tmp_path: Path) -> None:
