@@ -53,10 +53,11 @@ def prompts(n: int, seed: int, words: int = 24) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-def service_args(model: str, batch_dir: str) -> dict[str, Any]:
+def service_args(model: str, batch_dir: str, lowest_max: int | None = None) -> dict[str, Any]:
     return {"model": model, "served_model_name": MODEL, "max_num_seqs": MAX_NUM_SEQS, "engine_num_cpus": 1,
             "torch_threads": 1, "max_queued_requests": 512, "scheduling_policy": "priority",
-            "batch_dir": batch_dir, "batch_concurrency": MAX_NUM_SEQS}
+            "batch_dir": batch_dir, "batch_concurrency": MAX_NUM_SEQS,
+            **({} if lowest_max is None else {"lowest_priority_max_seqs": lowest_max})}
 
 
 def interactive(url: str, n: int, seconds: float, max_tokens: int, think_s: float) -> list[dict[str, Any]]:
@@ -88,7 +89,7 @@ def run_service(model: str, args: argparse.Namespace) -> dict[str, Any]:
     from tests.support.local_serve import local_service
 
     with tempfile.TemporaryDirectory() as batch_dir, \
-            local_service(service_args(model, batch_dir), HTTP_PORT, num_cpus=2) as url, \
+            local_service(service_args(model, batch_dir, args.lowest_priority_max_seqs), HTTP_PORT, num_cpus=2) as url, \
             httpx.Client(base_url=url, timeout=120) as http:
         interactive(url, args.clients, min(3.0, args.seconds), args.max_tokens, args.think_s)  # warm
         alone = interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s)
@@ -161,6 +162,9 @@ def main() -> None:
                     help="the batch beside the interactive phase (large enough to outlast it)")
     ap.add_argument("--batch-max-tokens", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=256, help="the random model's width (--quick: 64)")
+    ap.add_argument("--lowest-priority-max-seqs", type=int, default=None,
+                    help="the engine's lowest_priority_max_seqs (batch rows in a step beside interactive requests); "
+                         "default: the service's")
     add_result_args(ap, None)
     args = ap.parse_args()
     if args.quick:

@@ -39,6 +39,11 @@ class EngineConfig:
         10.0, "With scheduling_policy priority: a request's priority improves by 1 for every this many seconds "
               "since it arrived (preempted or not), so a low-priority request is never starved by a stream of "
               "higher ones; 0: no aging.")
+    lowest_priority_max_seqs: int | None = described(
+        None, "With scheduling_policy priority: while any request of another priority is running or waiting, "
+              "at most this many sequences of the lowest priority (1000000, the Batch API's) take part in a step; "
+              "the others keep their KV blocks and go on when the other requests are done, so a batch fills idle "
+              "capacity without lengthening the steps of interactive requests. None: no limit.")
     block_size: int = described(16, "Tokens per KV-cache block, the unit the cache is allocated, shared (prefix "
                                     "caching) and freed in.")
     gpu_memory_utilization: float = described(
@@ -192,6 +197,12 @@ class EngineConfig:
                 or not self.priority_aging_s >= 0:
             raise ValueError(f"priority_aging_s must be a number of seconds >= 0 (0: no aging), "
                              f"got {self.priority_aging_s!r}")
+        cap = self.lowest_priority_max_seqs
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"lowest_priority_max_seqs must be an integer >= 0 or None, got {cap!r}")
+        if cap is not None and self.scheduling_policy != "priority":
+            raise ValueError("lowest_priority_max_seqs needs scheduling_policy 'priority' (under fcfs no request "
+                             "has a priority)")
 
     def _check_offload(self) -> None:
         if not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool) \

@@ -249,7 +249,8 @@ def scheduler_for(ec: EngineConfig, cfg: ModelConfig, blocks: BlockManager) -> S
                      rope_long_from=rope.original_max_position if rope else None,
                      rope_recompute=rope is not None and rope.recompute_past_original,
                      rope_per_length=rope is not None and rope.kind == "dynamic",
-                     window=widest_window(cfg), policy=ec.scheduling_policy, priority_aging_s=ec.priority_aging_s)
+                     window=widest_window(cfg), policy=ec.scheduling_policy, priority_aging_s=ec.priority_aging_s,
+                     lowest_priority_max_seqs=ec.lowest_priority_max_seqs)
 
 
 def int8_activations(net: torch.nn.Module, quant: QuantScheme | None, device: torch.device, mode: str) -> bool:

@@ -75,8 +75,9 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_all: bool = False, rope_long_from: int | None = None, rope_recompute: bool = False,
                  rope_per_length: bool = False, window: int | None = None, policy: str = "fcfs",
-                 priority_aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        """`policy`, `priority_aging_s`: EngineConfig's scheduling_policy and priority_aging_s;
+                 priority_aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 lowest_priority_max_seqs: int | None = None) -> None:
+        """`policy`, `priority_aging_s`, `lowest_priority_max_seqs`: EngineConfig's;
         `clock`: what sequences' arrival times are read against (time.monotonic)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {policy!r}")
@@ -95,6 +96,7 @@ class Scheduler:
         self.window = None if recompute_all else window
         self.by_priority = policy == "priority"
         self.priority_aging_s = priority_aging_s
+        self.lowest_priority_max_seqs = lowest_priority_max_seqs
         self.clock = clock
         self._now = 0.0  # the clock at the start of this step: every rank of one step is read at it
         self._num_tenanted = 0  # sequences in the scheduler that name a tenant (none: fcfs is plain FIFO)
@@ -138,18 +140,45 @@ class Scheduler:
         if self.by_priority:
             self._now = self.clock()
             self.running.sort(key=self._rank)  # best first (stable: equals stay in admission order)
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        lowest_room = self._lowest_room()
+        budget = self._schedule_running(out, self.max_num_batched_tokens, lowest_room)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, lowest_room)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _lowest_room(self) -> list[int] | None:
+        """How many sequences of the lowest priority this step may still take (a one-item list,
+        counted down as they are scheduled); None: no limit (none set, or only such sequences in
+        the scheduler: a batch alone uses the whole engine)."""
+        cap = self.lowest_priority_max_seqs
+        if cap is None:
+            return None
+        if all(s.priority == LOWEST_PRIORITY for s in self.running) and \
+                all(s.priority == LOWEST_PRIORITY for s in self.waiting):
+            return None
+        return [cap]
+
+    @staticmethod
+    def _paused(seq: Sequence, lowest_room: list[int] | None) -> bool:
+        """Whether `seq` sits this step out (a lowest-priority sequence past the step's limit);
+        else it counts against the limit."""
+        if lowest_room is None or seq.priority != LOWEST_PRIORITY:
+            return False
+        if lowest_room[0] <= 0:
+            return True
+        lowest_room[0] -= 1
+        return False
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, lowest_room: list[int] | None = None) -> int:
         if self.window is not None:  # first, so no sequence is preempted for blocks another gives back
             for seq in self.running:  # keys before this are out of every query's window from now on
                 self.blocks.release_out_of_window(seq, seq.num_computed_tokens - self.window + 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._paused(seq, lowest_room):  # it keeps its blocks: nothing is recomputed when it goes on
+                i += 1
+                continue
             if self.rope_recompute and not seq.rope_len and seq.num_tokens > self.rope_long_from:
                 self._recompute_long(seq)  # re-admitted this step, at the head of the queue
                 continue
@@ -220,7 +249,7 @@ class Scheduler:
         self.num_rope_recomputes += 1
         self.waiting.appendleft(seq)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, lowest_room: list[int] | None = None) -> None:
         if not self.waiting or budget <= 0 or (not self.by_priority and len(self.running) >= self.max_num_seqs):
             return
         writing: set[bytes] | None = None
@@ -229,6 +258,8 @@ class Scheduler:
         for seq in self._waiting_order(load):
             if budget <= 0 or (not self.by_priority and len(self.running) >= self.max_num_seqs):
                 break  # (before `match`, which may load blocks from a tier)
+            if lowest_room is not None and seq.priority == LOWEST_PRIORITY and lowest_room[0] <= 0:
+                continue  # past the step's limit of lowest-priority sequences: it waits, others may go
             # Prompt logprobs need every prompt position computed: no cached prefix for them.
             matched = [] if seq.params.prompt_logprobs is not None else self.blocks.match(seq)
             if self.blocks.enable_prefix_caching:
@@ -244,6 +275,7 @@ class Scheduler:
                 break  # first come (or best ranked), first served: do not let later requests jump ahead
             budget += freed
             admitted.append(seq)
+            self._paused(seq, lowest_room)  # counted against the limit (there was room: checked above)
             self._start(seq, matched, computed + n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -122,6 +122,7 @@ class AppArgs(BaseModel):
     encoder_cache_size: int = engine_arg("encoder_cache_size", ge=0)
     scheduling_policy: SchedulingPolicy = engine_arg("scheduling_policy")
     priority_aging_s: float = engine_arg("priority_aging_s", ge=0)
+    lowest_priority_max_seqs: int | None = engine_arg("lowest_priority_max_seqs", ge=0)
     prefix_aware_routing: bool = Field(True, description="With several replicas: a request whose prompt shares a "
                                        "cached prefix (or that names a LoRA adapter) goes to the replica holding "
                                        "it.")

@@ -38,9 +38,9 @@ def seq(rid: str, n_prompt: int, priority: int = 0, arrival: float = 0.0, tenant
 
 
 def sched(num_blocks: int = 64, block_size: int = 4, max_seqs: int = 8, policy: str = "priority",
-          aging: float = 10.0, clock: Clock | None = None) -> Scheduler:
+          aging: float = 10.0, clock: Clock | None = None, lowest_max: int | None = None) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), max_seqs, 100, policy=policy, priority_aging_s=aging,
-                     clock=clock or Clock())
+                     clock=clock or Clock(), lowest_priority_max_seqs=lowest_max)
 
 
 def run_step(s: Scheduler) -> list[tuple[str, int]]:
@@ -243,6 +243,57 @@ def test_priority_comes_before_tenant_load_and_load_before_arrival() -> None:
     # c0 and a1 share the best priority: C has nothing running, A has a0; b-low is worse.
     assert [r for r, _ in run_step(s)] == ["a0", "c0", "a1"]
     assert [q.request_id for q in s.waiting] == ["b-low"]
+
+
+# ---- the lowest priority beside the others (lowest_priority_max_seqs) -----------------------------
+
+def test_lowest_priority_sequences_alone_use_the_whole_engine() -> None:
+    s = sched(max_seqs=4, lowest_max=1)
+    for i in range(3):
+        s.add(seq(f"b{i}", 4, priority=LOWEST_PRIORITY, arrival=float(i)))
+    assert run_step(s) == [("b0", 4), ("b1", 4), ("b2", 4)]  # no other request: no limit
+    assert run_step(s) == [("b0", 1), ("b1", 1), ("b2", 1)]
+
+
+def test_beside_an_interactive_request_lowest_priority_sequences_pause_keeping_their_blocks() -> None:
+    s = sched(max_seqs=4, lowest_max=1)
+    for i in range(3):
+        s.add(seq(f"b{i}", 4, priority=LOWEST_PRIORITY, arrival=float(i)))
+    run_step(s)
+    tables = {q.request_id: list(q.block_table) for q in s.running}
+    s.add(seq("chat", 4, priority=0, arrival=5.0))
+    # The interactive prompt and one batch row run; the two others sit the step out, not preempted.
+    assert run_step(s) == [("b0", 1), ("chat", 4)]
+    assert run_step(s) == [("chat", 1), ("b0", 1)]
+    paused = [q for q in s.running if q.request_id in ("b1", "b2")]
+    assert [q.status for q in paused] == [SeqStatus.RUNNING] * 2 and s.num_preemptions == 0
+    assert {q.request_id: list(q.block_table) for q in paused} == {k: tables[k] for k in ("b1", "b2")}
+    s.finish(next(q for q in s.running if q.request_id == "chat"), "stop")
+    assert run_step(s) == [("b0", 1), ("b1", 1), ("b2", 1)]  # the interactive one is done: all go on
+
+
+def test_a_waiting_lowest_priority_sequence_is_not_admitted_past_the_limit_but_others_are() -> None:
+    s = sched(max_seqs=4, lowest_max=1)
+    s.add(seq("chat", 4, priority=0, arrival=0.0))
+    s.add(seq("b0", 4, priority=LOWEST_PRIORITY, arrival=1.0))
+    s.add(seq("b1", 4, priority=LOWEST_PRIORITY, arrival=2.0))
+    s.add(seq("late", 4, priority=3, arrival=3.0))
+    assert run_step(s) == [("chat", 4), ("late", 4), ("b0", 4)]
+    assert [q.request_id for q in s.waiting] == ["b1"]
+    with pytest.raises(ValueError, match="needs scheduling_policy 'priority'"):
+        EngineConfig(lowest_priority_max_seqs=1)
+    with pytest.raises(ValueError, match="an integer >= 0 or None"):
+        EngineConfig(scheduling_policy="priority", lowest_priority_max_seqs=-1)
+
+
+def test_paused_lowest_priority_sequences_generate_the_tokens_they_would_have() -> None:
+    prompts = [[1 + i, 2, 3, 4 + i] for i in range(6)]
+    priorities = [LOWEST_PRIORITY, 0, LOWEST_PRIORITY, LOWEST_PRIORITY, 2, LOWEST_PRIORITY]
+    ref = LLM(MODEL, num_kv_blocks=64).generate(prompts, greedy(6))
+    capped = LLM(MODEL, scheduling_policy="priority", lowest_priority_max_seqs=1, max_num_seqs=6, num_kv_blocks=64)
+    outs = capped.generate(prompts, greedy(6), priority=priorities)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert capped.engine.scheduler.num_preemptions == 0
 
 
 def test_the_engine_counts_its_lowest_priority_sequences_apart() -> None:
