@@ -194,13 +194,13 @@ def add_batch_routes(app: FastAPI, runner: BatchRunner, loop: BatchLoop) -> None
             return _error(APIError("A file is required (the multipart field `file`).", param="file"))
         content = await upload.read()
         return await answer(lambda: files.create(content, upload.filename or "upload.jsonl", str(purpose),
-                                           _owner()).to_openai())
+                                                 _owner()).to_openai())
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> Response:
         q = request.query_params
-        return await answer(lambda: files.list(_owner(), q.get("purpose"), q.get("after"), _int(request, "limit", 10_000),
-                                         q.get("order", "desc")))
+        return await answer(lambda: files.list(_owner(), q.get("purpose"), q.get("after"),
+                                               _int(request, "limit", 10_000), q.get("order", "desc")))
 
     @app.get("/v1/files/{file_id}")
     async def get_file(file_id: str) -> Response:
@@ -228,15 +228,16 @@ def add_batch_routes(app: FastAPI, runner: BatchRunner, loop: BatchLoop) -> None
         if not isinstance(body, dict) or not isinstance(body.get("input_file_id"), str):
             return _error(APIError("input_file_id is required.", param="input_file_id"))
         response = await answer(lambda: runner.create(body["input_file_id"], str(body.get("endpoint")),
-                                                str(body.get("completion_window")), body.get("metadata"),
-                                                _owner()).to_openai())
+                                                      str(body.get("completion_window")), body.get("metadata"),
+                                                      _owner()).to_openai())
         if response.status_code == 200:
             loop.wake()
         return response
 
     @app.get("/v1/batches")
     async def list_batches(request: Request) -> Response:
-        return await answer(lambda: runner.list(_owner(), request.query_params.get("after"), _int(request, "limit", 20)))
+        return await answer(lambda: runner.list(_owner(), request.query_params.get("after"),
+                                                _int(request, "limit", 20)))
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str) -> Response:

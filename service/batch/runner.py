@@ -41,8 +41,9 @@ def no_such_batch(batch_id: str) -> APIError:
 
 class BatchRunner:
     """The batches kept under `root` (a Storage, a directory or a URI), their files in `files`; at
-    most `concurrency` requests of a batch in flight at once. `clock`: seconds since the epoch (tests move it). `on_line(outcome)`:
-    called for each line this process records (`line_outcome`: completed, failed, expired)."""
+    most `concurrency` requests of a batch in flight at once. `clock`: seconds since the epoch
+    (tests move it). `on_line(outcome)`: called for each line this process records
+    (`line_outcome`: completed, failed, expired)."""
 
     def __init__(self, root: str | Path | Storage, files: FileStore, send: Send, concurrency: int = 4,
                  clock: Callable[[], float] = time.time, on_line: Callable[[str], None] | None = None) -> None:

@@ -209,11 +209,17 @@ class FsspecStorage(Storage):
         return f"{self.root}/{key}"
 
     def put(self, key: str, data: bytes) -> None:
-        try:
-            self.fs.pipe_file(self._path(key), data)
-        except FileNotFoundError:  # a filesystem with real folders (fsspec's local one): make the parent
-            self.fs.makedirs(self._path(key).rsplit("/", 1)[0], exist_ok=True)
-            self.fs.pipe_file(self._path(key), data)
+        path = self._path(key)
+        if not getattr(self.fs, "local_file", False):  # an object store's PUT: whole or nothing by itself
+            self.fs.pipe_file(path, data)
+            return
+        # Files written in place (fsspec's local filesystem): a reader could see one half written,
+        # so a temporary file is renamed in, in a folder made first.
+        parent, name = path.rsplit("/", 1)
+        self.fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{name}.{secrets.token_hex(4)}.tmp"
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, path)
 
     def get(self, key: str) -> bytes:
         try:
@@ -255,7 +261,8 @@ class FsspecStorage(Storage):
                 entries = self.fs.ls(self._path(folder), detail=False)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        names = (str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        return sorted(n for n in names if not n.startswith("."))  # not a write in progress
 
     def append(self, key: str, line: bytes) -> None:
         # No append on an object store: a line is an object under the journal's folder, named so
@@ -304,11 +311,11 @@ class _Lease:
 
     def take(self) -> bool:
         current = self.storage.read_lease(self.key)
-        if current is not None and current.get("holder") != self.storage.holder \
-                and float(current.get("until", 0)) > time.time():
-            return False
+        if current is not None and float(current.get("until", 0)) > time.time():
+            return False  # held, also when by this process (a cancel while it runs the batch), as a file lock is
         self._write()
-        time.sleep(self.storage.settle_s)  # another process that saw the same run-out lease wrote too: the last write holds
+        # Another process that saw the same run-out lease may have written too: the last write holds.
+        time.sleep(self.storage.settle_s)
         if not self._mine():
             return False
         self._renewer = threading.Thread(target=self._renew, name=f"lease {self.key}", daemon=True)

@@ -237,6 +237,19 @@ def test_an_object_store_lease_keeps_a_key_in_one_process_until_released_or_run_
     assert other.lock("batches/b.lock") is not None
 
 
+def test_on_a_filesystem_that_writes_in_place_an_object_is_renamed_in_whole(tmp_path, monkeypatch) -> None:
+    """fsspec's local filesystem writes a file in place (an object store's PUT does not): a reader
+    of the batch's record while it is rewritten would read half of it, so it is renamed in."""
+    store = FsspecStorage(f"local://{tmp_path}")
+    written: list[str] = []
+    pipe_file = store.fs.pipe_file
+    monkeypatch.setattr(store.fs, "pipe_file",
+                        lambda path, data, **kw: (written.append(path), pipe_file(path, data, **kw)))
+    store.put("batches/b.json", b'{"status": "in_progress"}')
+    assert written and not any(path.endswith("/batches/b.json") for path in written)  # never the final name
+    assert store.get("batches/b.json") == b'{"status": "in_progress"}' and store.names("batches") == ["b.json"]
+
+
 def test_a_request_that_never_ran_gets_an_error_line() -> None:
     line_ = answer_line("batch_1", "z", 0, None, error={"code": "batch_expired", "message": "expired"})
     assert line_["response"] is None and line_["error"]["code"] == "batch_expired" and line_["custom_id"] == "z"

@@ -128,6 +128,7 @@ def test_cancelling_ends_the_batch_with_the_answers_so_far(root) -> None:
         while endpoint.arrived < 2:  # the two requests concurrency lets in now wait at the gate
             await asyncio.sleep(0)
         assert runner.cancel(batch_id, None).status == "cancelling"
+        assert open_storage(root).lock(f"batches/{batch_id}.lock") is None  # the run still holds the batch
         endpoint.gate.set()
         return await task
 
