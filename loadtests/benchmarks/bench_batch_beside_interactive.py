@@ -1,5 +1,6 @@
 """A batch beside interactive traffic, on a local Ray Serve (one engine replica, 127.0.0.1 only,
-priority scheduling, the Batch API over a temporary `batch_dir`), measured in one run:
+priority scheduling, the Batch API over a temporary `batch_dir`), measured in one run, for each
+value of the engine's `lowest_priority_max_seqs` given (a fresh service each):
 
 1. interactive alone: closed-loop streaming clients (a short think time between requests) for
    `--seconds`: their TTFT p50/p99;
@@ -9,14 +10,15 @@ priority scheduling, the Batch API over a temporary `batch_dir`), measured in on
 3. interactive beside a batch: the same clients for `--seconds` while a batch of `--beside-lines`
    lines runs (it must still be running when the phase ends, or the phase is reported as not
    measured); the batch is cancelled afterwards;
+then, once:
 4. the offline engine: the same requests as phase 2 through `model.LLM.generate` in this process
-   (one torch thread, as the replica has), after the service is stopped.
+   (one torch thread, as the replica has), after the services are stopped.
 
-Reported: interactive TTFT p99 beside the batch / alone (target: <= 1.2) and the batch's
-throughput on the idle service / the offline engine's (target: >= 0.9).
+Reported, for each setting: interactive TTFT p99 beside the batch / alone (target: <= 1.2) and the
+batch's throughput on the idle service / the offline engine's (target: >= 0.9).
 
     .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --out docs/results/bench_batch_beside_interactive.json
-    .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --quick   # ~1.5 min, a tiny model
+    .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --quick   # ~3 min, a tiny model
 """
 
 from __future__ import annotations
@@ -85,11 +87,11 @@ def batch_state(http: httpx.Client, batch_id: str) -> dict[str, Any]:
     return r.json()
 
 
-def run_service(model: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_service(model: str, args: argparse.Namespace, lowest_max: int | None) -> dict[str, Any]:
     from tests.support.local_serve import local_service
 
     with tempfile.TemporaryDirectory() as batch_dir, \
-            local_service(service_args(model, batch_dir, args.lowest_priority_max_seqs), HTTP_PORT, num_cpus=2) as url, \
+            local_service(service_args(model, batch_dir, lowest_max), HTTP_PORT, num_cpus=2) as url, \
             httpx.Client(base_url=url, timeout=120) as http:
         interactive(url, args.clients, min(3.0, args.seconds), args.max_tokens, args.think_s)  # warm
         alone = interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s)
@@ -130,23 +132,30 @@ def run_offline(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"lines": len(outs), "seconds": seconds, "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds}
 
 
+def label(lowest_max: int | None) -> str:
+    return "no limit" if lowest_max is None else f"lowest_priority_max_seqs {lowest_max}"
+
+
 def table(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    a, b = res["alone"], res["beside"]
-    ttft_ratio = b["ttft_p99_ms"] / a["ttft_p99_ms"] if a["ttft_p99_ms"] and b["ttft_p99_ms"] else None
-    measured = res["beside_batch"]["running_throughout"]
-    rate_ratio = res["idle_batch"]["tokens_per_s"] / res["offline"]["tokens_per_s"]
     columns = ["measure", "baseline", "with the batch / service", "ratio", "target"]
-    rows = [["interactive TTFT p50 (ms)", a["ttft_p50_ms"], b["ttft_p50_ms"],
-             b["ttft_p50_ms"] / a["ttft_p50_ms"] if a["ttft_p50_ms"] and b["ttft_p50_ms"] else None, "–"],
-            ["interactive TTFT p99 (ms)", a["ttft_p99_ms"], b["ttft_p99_ms"], ttft_ratio,
-             ("<= 1.2: " + ("reached" if ttft_ratio is not None and ttft_ratio <= 1.2 else "not reached"))
-             if measured else "not measured: the batch ended during the phase"],
-            ["interactive requests succeeded", f"{a['statuses'].get('200', 0)}/{a['requests']}",
-             f"{b['statuses'].get('200', 0)}/{b['requests']}", None, "all"],
-            ["batch lines answered during the phase", None, res["beside_batch"]["lines_during_phase"], None, "> 0"],
-            ["batch tokens/s: offline engine vs the idle service", res["offline"]["tokens_per_s"],
-             res["idle_batch"]["tokens_per_s"], rate_ratio,
-             ">= 0.9: " + ("reached" if rate_ratio >= 0.9 else "not reached")]]
+    rows = []
+    for name, run in res["runs"].items():
+        a, b = run["alone"], run["beside"]
+        ttft_ratio = b["ttft_p99_ms"] / a["ttft_p99_ms"] if a["ttft_p99_ms"] and b["ttft_p99_ms"] else None
+        measured = run["beside_batch"]["running_throughout"]
+        rate_ratio = run["idle_batch"]["tokens_per_s"] / res["offline"]["tokens_per_s"]
+        rows += [[f"{name}: interactive TTFT p50 (ms)", a["ttft_p50_ms"], b["ttft_p50_ms"],
+                  b["ttft_p50_ms"] / a["ttft_p50_ms"] if a["ttft_p50_ms"] and b["ttft_p50_ms"] else None, "–"],
+                 [f"{name}: interactive TTFT p99 (ms)", a["ttft_p99_ms"], b["ttft_p99_ms"], ttft_ratio,
+                  ("<= 1.2: " + ("reached" if ttft_ratio is not None and ttft_ratio <= 1.2 else "not reached"))
+                  if measured else "not measured: the batch ended during the phase"],
+                 [f"{name}: interactive requests succeeded", f"{a['statuses'].get('200', 0)}/{a['requests']}",
+                  f"{b['statuses'].get('200', 0)}/{b['requests']}", None, "all"],
+                 [f"{name}: batch lines answered during the phase", None, run["beside_batch"]["lines_during_phase"],
+                  None, "> 0"],
+                 [f"{name}: batch tokens/s, offline engine vs the idle service", res["offline"]["tokens_per_s"],
+                  run["idle_batch"]["tokens_per_s"], rate_ratio,
+                  ">= 0.9: " + ("reached" if rate_ratio >= 0.9 else "not reached")]]
     return columns, rows
 
 
@@ -162,9 +171,9 @@ def main() -> None:
                     help="the batch beside the interactive phase (large enough to outlast it)")
     ap.add_argument("--batch-max-tokens", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=256, help="the random model's width (--quick: 64)")
-    ap.add_argument("--lowest-priority-max-seqs", type=int, default=None,
-                    help="the engine's lowest_priority_max_seqs (batch rows in a step beside interactive requests); "
-                         "default: the service's")
+    ap.add_argument("--lowest-priority-max-seqs", nargs="+", default=["none", "1"],
+                    help="the engine's lowest_priority_max_seqs (batch rows in a step beside interactive requests) "
+                         "to measure, one service each; none: no limit")
     add_result_args(ap, None)
     args = ap.parse_args()
     if args.quick:
@@ -174,7 +183,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_checkpoint(Path(tmp) / "m", max_position=512, d_model=args.d_model, n_heads=4,
                                           n_layers=4, d_ff=4 * args.d_model))
-        res = run_service(model, args)
+        caps = [None if v == "none" else int(v) for v in args.lowest_priority_max_seqs]
+        res: dict[str, Any] = {"runs": {label(cap): run_service(model, args, cap) for cap in caps}}
         res["offline"] = run_offline(model, args)
     res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "note", "allow_dirty")}
     columns, rows = table(res)
