@@ -43,7 +43,8 @@ class EngineConfig:
         None, "With scheduling_policy priority: while any request of another priority is running or waiting, "
               "at most this many sequences of the lowest priority (1000000, the Batch API's) take part in a step; "
               "the others keep their KV blocks and go on when the other requests are done, so a batch fills idle "
-              "capacity without lengthening the steps of interactive requests. None: no limit.")
+              "capacity without lengthening the steps of interactive requests. 0: none (a batch then waits while "
+              "other requests keep coming); None: no limit.")
     block_size: int = described(16, "Tokens per KV-cache block, the unit the cache is allocated, shared (prefix "
                                     "caching) and freed in.")
     gpu_memory_utilization: float = described(
