@@ -30,6 +30,7 @@ from service.batch.storage import Storage, open_storage
 from service.errors import APIError
 
 SAVE_EVERY_S = 0.5  # how stale the counts another process reads may be while a batch runs (the journal is exact)
+RECORDING_PER_SLOT = 4  # answers that may wait to be written, per request in flight
 
 # (endpoint, request body, owner) -> (HTTP status, JSON body) of the endpoint's answer.
 Send = Callable[[str, dict[str, Any], str | None], Awaitable[tuple[int, dict[str, Any]]]]
@@ -164,22 +165,38 @@ class BatchRunner:
         limit = asyncio.Semaphore(self.concurrency)
         saved = [time.monotonic()]
 
+        recording = asyncio.Semaphore(RECORDING_PER_SLOT * self.concurrency)
+        failed: list[BaseException] = []  # a `send` that raised: no request is sent after it
+
         async def one(request) -> None:
             async with limit:
-                if self.clock() >= record.expires_at or await asyncio.to_thread(self._cancelled, journal):
+                if failed or self.clock() >= record.expires_at or await asyncio.to_thread(self._cancelled, journal):
                     return
-                status, body = await self.send(record.endpoint, request.body, record.owner)
-                # The store's writes (an fsync, or an object store's PUT, per line) off the event loop
-                # that serves interactive requests.
+                try:
+                    status, body = await self.send(record.endpoint, request.body, record.owner)
+                except Exception as exc:
+                    failed.append(exc)
+                    return
+                await recording.acquire()  # a store slower than the engine holds the batch back here
+            # The slot goes to the next request as soon as this answer is in (an engine row left idle
+            # while the line is written costs throughput); the line counts as done once written, off
+            # the event loop that serves interactive requests (an fsync, or an object store's PUT).
+            try:
                 await asyncio.to_thread(self._record, journal, answer_line(record.id, request.custom_id, status, body))
                 if time.monotonic() - saved[0] >= SAVE_EVERY_S:  # the counts, for every process that reads the batch
                     saved[0] = time.monotonic()
                     await asyncio.to_thread(journal.save)
+            finally:
+                recording.release()
 
         try:
+            # Every task ends before this returns (no answer is written after the batch's lock is
+            # given back); the first `send` error then ends the run.
             await asyncio.gather(*(one(r) for r in todo))
         finally:  # the counts as the journal has them, also when `send` failed (a killed process's catch up on resume)
             await asyncio.to_thread(journal.save)
+        if failed:
+            raise failed[0]
         return await asyncio.to_thread(self._end, journal, requests)
 
     def _end(self, journal: BatchJournal, requests: list) -> BatchRecord:
