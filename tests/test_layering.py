@@ -56,10 +56,11 @@ SERVICE_LAYERS: dict[str, set[str]] = {
     "openai": {"errors", "tools", "engine", "tenancy", "http"},
     "anthropic": {"errors", "tools", "engine", "tenancy", "http", "openai"},
     "explorer": {"errors", "engine", "http", "openai"},
-    "offline": {"errors", "openai"},  # the Ray Data processor renders chat as the OpenAI family does
+    # the Ray Data processor renders chat as the OpenAI family does; a batch job runs the replica's edge
+    "offline": {"errors", "engine", "tenancy", "http", "openai", "server", "host", "batch"},
     "server": {"errors", "tools", "engine", "tenancy", "http", "openai", "anthropic", "explorer", "batch"},
     "host": {"engine", "autoscaling"},
-    "replica": {"errors", "autoscaling", "engine", "tenancy", "http", "openai", "server", "host"},
+    "replica": {"errors", "autoscaling", "engine", "tenancy", "http", "openai", "server", "host", "offline"},
     "routing": {"errors", "engine", "http", "openai"},
     "app": {"errors", "tools", "autoscaling", "launch", "engine", "tenancy", "http", "openai", "anthropic",
             "explorer", "server", "host", "replica", "routing", "batch"},

@@ -198,6 +198,15 @@ class AppArgs(BaseModel):
     batch_max_lines: int = Field(50_000, ge=1, description="The most requests (non-empty lines) of one batch input "
                                  "file; 413 past it.")
     batch_concurrency: int = Field(4, ge=1, description="Requests of one batch a replica has in flight at once.")
+    batch_offline_min_lines: int | None = Field(
+        None, ge=1, description="A batch of at least this many requests runs as a Ray Data job on the cluster (engine "
+        "actors of its own, each running the replica's HTTP edge, so every line gets the interactive endpoint's "
+        "answer) instead of in the replicas' engines; a tenant with quotas is never handed off. None: every batch "
+        "runs in the replicas.")
+    batch_offline_concurrency: int = Field(1, ge=1, description="Engine actors of one such Ray Data job.")
+    batch_offline_num_cpus: float = Field(1.0, ge=0, description="CPUs of each engine actor of a Ray Data batch job.")
+    batch_offline_num_gpus: float = Field(0.0, ge=0, description="GPUs of each engine actor of a Ray Data batch job "
+                                          "(above 0: its engine runs on CUDA).")
     stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="Each stream writes at most this often, the "
                                       "steps' tokens in between merged into one chunk; 0: as soon as a step "
                                       "delivers, merging only what a slow client left unread.")
@@ -231,6 +240,11 @@ class AppArgs(BaseModel):
             raise ValueError("kv_remote_fetch needs kv_cache_index: true")
         if self.batch_dir and self.models is not None:  # any replica may run any batch of the directory
             raise ValueError("batch_dir serves one model per app for now; leave out models")
+        if self.batch_offline_min_lines is not None and not self.batch_dir:
+            raise ValueError("batch_offline_min_lines needs batch_dir (the Batch API it runs batches of)")
+        if self.batch_offline_min_lines is not None and self.tensor_parallel_size > 1:
+            raise ValueError("batch_offline_min_lines runs one-device engines; with tensor_parallel_size > 1 leave it "
+                             "out")
         return self
 
     @model_validator(mode="after")

@@ -154,6 +154,10 @@ def ingress_settings(args: AppArgs) -> IngressSettings:
         batch_max_file_bytes=args.batch_max_file_bytes,
         batch_max_lines=args.batch_max_lines,
         batch_concurrency=args.batch_concurrency,
+        batch_offline_min_lines=args.batch_offline_min_lines,
+        batch_offline_concurrency=args.batch_offline_concurrency,
+        batch_offline_num_cpus=args.batch_offline_num_cpus,
+        batch_offline_num_gpus=args.batch_offline_num_gpus,
     )
 
 

@@ -9,6 +9,10 @@ a directory, given back when the run ends or the process dies; a lease in an obj
 over once a dead holder's has run out). A cancel that reaches another process leaves a marker
 (`batches/{id}.cancel`) that the running one reads before each request.
 
+A batch of at least `offline.min_lines` requests may run elsewhere (`Offline`: a Ray Data job in
+the service, service/offline/batch_job.py), its answers recorded here as they come, with the same
+journal, cancellation and expiry.
+
 A batch whose process stopped resumes where its journal ends (service/batch/batches.py): the
 requests already answered are not sent again. An error raised by `send` itself (not an answer:
 the engine gone, the process stopping) ends `run` without recording that request, which the next
@@ -19,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from service.batch.batches import TERMINAL, BatchJournal, BatchRecord, answer_line, check_input, line_outcome, new_batch
 from service.batch.files import FileStore, list_page
@@ -34,6 +38,22 @@ RECORDING_PER_SLOT = 4  # answers that may wait to be written, per request in fl
 
 # (endpoint, request body, owner) -> (HTTP status, JSON body) of the endpoint's answer.
 Send = Callable[[str, dict[str, Any], str | None], Awaitable[tuple[int, dict[str, Any]]]]
+# (custom_id, HTTP status, JSON body) of one answer an `Offline` run gives.
+Answer = tuple[str, int, dict[str, Any]]
+
+
+class Offline(Protocol):
+    """Where a batch of at least `min_lines` requests runs instead of through `send`."""
+
+    min_lines: int
+
+    def takes(self, owner: str | None) -> bool:
+        """Whether `owner`'s batch may run there (no: it runs through `send`)."""
+
+    def answers(self, endpoint: str, requests: list[tuple[str, dict[str, Any]]],
+                owner: str | None) -> AsyncGenerator[Answer | None, None]:
+        """Each request's answer as it comes, in any order, and None now and then while none
+        comes (so that the runner can look for a cancel); closing the iterator stops the run."""
 
 
 def no_such_batch(batch_id: str) -> APIError:
@@ -44,12 +64,14 @@ class BatchRunner:
     """The batches kept under `root` (a Storage, a directory or a URI), their files in `files`; at
     most `concurrency` requests of a batch in flight at once. `clock`: seconds since the epoch
     (tests move it). `on_line(outcome)`: called for each line this process records
-    (`line_outcome`: completed, failed, expired)."""
+    (`line_outcome`: completed, failed, expired). `offline`: where large batches run (None: every
+    batch runs through `send`)."""
 
     def __init__(self, root: str | Path | Storage, files: FileStore, send: Send, concurrency: int = 4,
-                 clock: Callable[[], float] = time.time, on_line: Callable[[str], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, on_line: Callable[[str], None] | None = None,
+                 offline: Offline | None = None) -> None:
         self.root, self.files, self.send = open_storage(root), files, send
-        self.concurrency, self.clock, self.on_line = concurrency, clock, on_line
+        self.concurrency, self.clock, self.on_line, self.offline = concurrency, clock, on_line, offline
 
     # ---- the API's calls ---------------------------------------------------------------------
 
@@ -162,6 +184,10 @@ class BatchRunner:
             await asyncio.to_thread(journal.save)
         done = await asyncio.to_thread(journal.answered)
         todo = [r for r in requests if r.custom_id not in done]
+        # Decided by the whole batch's size, so that a resumed batch runs where it started.
+        if self.offline is not None and len(requests) >= self.offline.min_lines and self.offline.takes(record.owner):
+            await self._run_offline(journal, todo)
+            return await asyncio.to_thread(self._end, journal, requests)
         limit = asyncio.Semaphore(self.concurrency)
         saved = [time.monotonic()]
 
@@ -198,6 +224,28 @@ class BatchRunner:
         if failed:
             raise failed[0]
         return await asyncio.to_thread(self._end, journal, requests)
+
+    async def _run_offline(self, journal: BatchJournal, todo: list) -> None:
+        """The requests of `todo` through `self.offline`, each answer recorded as it comes; the run
+        is closed (what it has in flight dropped, to be sent again on resume) when the batch is
+        cancelled or expires. An error of the run ends this, as a `send` error does."""
+        record = journal.record
+        assert self.offline is not None
+        stream = self.offline.answers(record.endpoint, [(r.custom_id, r.body) for r in todo], record.owner)
+        saved = time.monotonic()
+        try:
+            async for answer in stream:
+                if answer is not None:
+                    custom_id, status, body = answer
+                    await asyncio.to_thread(self._record, journal, answer_line(record.id, custom_id, status, body))
+                if time.monotonic() - saved >= SAVE_EVERY_S:
+                    saved = time.monotonic()
+                    await asyncio.to_thread(journal.save)
+                    if self.clock() >= record.expires_at or await asyncio.to_thread(self._cancelled, journal):
+                        break
+        finally:
+            await stream.aclose()
+            await asyncio.to_thread(journal.save)
 
     def _end(self, journal: BatchJournal, requests: list) -> BatchRecord:
         """After the requests: cancelled, expired (an error line for each request not run) or

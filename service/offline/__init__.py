@@ -1,1 +1,1 @@
-"""Offline jobs on a Ray cluster: a Ray Data processor whose engine actors answer a dataset's rows (`processor`)."""
+"""Offline jobs on a Ray cluster: a Ray Data processor whose engine actors answer a dataset's rows (`processor`), and the Batch API's large batches run as Ray Data jobs over the replica's HTTP edge (`batch_job`)."""

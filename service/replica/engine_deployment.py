@@ -130,6 +130,16 @@ class EngineReplica:
                                       self._settings.tool_call_parser, self._settings.reasoning_parser,
                                       tuple(self._settings.app_models), tenants,
                                       config.scheduling_policy == "priority", self._settings.image_limits())
+        self._batch_offline = None
+        if self._settings.batch_dir and self._settings.batch_offline_min_lines:
+            from service.offline.batch_job import EdgeSpec, OfflineBatches  # Ray Data: only where it is used
+
+            spec = EdgeSpec(model, served_model_name, engine_config, dataclasses.asdict(self._settings),
+                            "cuda" if self._settings.batch_offline_num_gpus > 0 else "cpu", dtype, seed, revision)
+            self._batch_offline = OfflineBatches(spec, self._settings.batch_offline_min_lines,
+                                                 self._settings.batch_offline_concurrency,
+                                                 self._settings.batch_offline_num_cpus,
+                                                 self._settings.batch_offline_num_gpus)
         self._created = int(time.time())  # the model cards' time
         runtime = engine.runtime
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d "
@@ -151,7 +161,7 @@ class EngineReplica:
 
     def _build_edge(self) -> Any:
         return build_api(self._serving, self._host.healthy, self._settings, self._host.metrics.observe_response,
-                         created=self._created, batch_metrics=self._host.metrics)
+                         created=self._created, batch_metrics=self._host.metrics, batch_offline=self._batch_offline)
 
     async def forward(self, route: Any, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """One HTTP request from the multi-model front (service/app/multi.py), answered by this

@@ -78,6 +78,10 @@ class IngressSettings:
     batch_max_file_bytes: int = 200 << 20
     batch_max_lines: int = 50_000
     batch_concurrency: int = 4
+    batch_offline_min_lines: int | None = None  # batches this large run as Ray Data jobs (service/offline/batch_job.py)
+    batch_offline_concurrency: int = 1
+    batch_offline_num_cpus: float = 1.0
+    batch_offline_num_gpus: float = 0.0
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(self.max_images_per_request, self.max_image_bytes, self.max_image_pixels,
@@ -105,9 +109,10 @@ class BatchMetrics(Protocol):
 
 
 def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSettings,
-                      metrics: BatchMetrics | None = None) -> None:
+                      metrics: BatchMetrics | None = None, offline: Any = None) -> None:
     """The Files and Batch APIs over `settings.batch_dir`, and the loop that runs its batches here,
-    each request through `app`'s own route at the lowest priority (under priority scheduling)."""
+    each request through `app`'s own route at the lowest priority (under priority scheduling);
+    `offline`: where large batches run instead (service/offline/batch_job.py's OfflineBatches)."""
     table = KeyTable(settings.api_keys_file) if settings.api_keys_file else None
 
     def tenant(name: str) -> Tenant | None:
@@ -118,7 +123,8 @@ def add_batch_service(app: FastAPI, serving: OpenAIServing, settings: IngressSet
     send = in_process_send(app, tenant, LOWEST_PRIORITY if getattr(serving, "priority_scheduling", False) else None,
                            busy=lambda: serving.num_waiting() > 0)
     runner = BatchRunner(store, files, send, settings.batch_concurrency,
-                         on_line=metrics.observe_batch_line if metrics is not None else None)
+                         on_line=metrics.observe_batch_line if metrics is not None else None,
+                         offline=offline.with_tenants(tenant) if offline is not None else None)
     loop = BatchLoop(runner, on_statuses=metrics.set_batches if metrics is not None else None)
     add_batch_routes(app, runner, loop)
     app.router.on_startup.append(loop.ensure)  # resume what a stopped replica left, without waiting for a request
@@ -335,10 +341,12 @@ def model_cards(serving: OpenAIServing, created: int) -> list[dict[str, Any]]:
 def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: IngressSettings,
               on_response: Callable[[str, int], None] | None = None,
               app_cards: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
-              created: int | None = None, batch_metrics: BatchMetrics | None = None) -> FastAPI:
+              created: int | None = None, batch_metrics: BatchMetrics | None = None,
+              batch_offline: Any = None) -> FastAPI:
     """The FastAPI app over `serving`; `healthy()` answers /health (the local engine's state);
     `on_response(route, status)` is called as each response starts (`ResponseCounter`);
-    `batch_metrics`: where the batch service (`settings.batch_dir`) reports;
+    `batch_metrics`: where the batch service (`settings.batch_dir`) reports; `batch_offline`: where
+    its large batches run (`settings.batch_offline_min_lines`);
     `app_cards()`: every model's `/v1/models` cards where this replica serves one model of several
     (service/app/multi.py; None: its own model's cards); `created`: the cards' time."""
     app = FastAPI(title="qkv-serve", docs_url=None, redoc_url=None)
@@ -425,7 +433,7 @@ def build_api(serving: OpenAIServing, healthy: Callable[[], bool], settings: Ing
     add_messages_routes(app, serving, limit, read_model, respond)
     add_responses_routes(app, serving, limit, read_model, respond)
     if settings.batch_dir is not None:
-        add_batch_service(app, serving, settings, batch_metrics)
+        add_batch_service(app, serving, settings, batch_metrics, batch_offline)
 
     lookup = key_lookup(settings)
     if lookup is not None:

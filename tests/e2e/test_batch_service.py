@@ -2,8 +2,9 @@
 `batch_dir`, with the official `openai` client: a file uploaded through either replica is found
 through the other, a batch runs once (every request answered exactly once, as the interactive
 endpoint answers it), whichever replica a poll reaches reports the same batch, Ray's metrics
-endpoint counts the batch and its lines, and a batch whose replicas are killed mid-run resumes
-on their replacements with no line lost and none answered twice."""
+endpoint counts the batch and its lines, a batch whose replicas are killed mid-run resumes on
+their replacements with no line lost and none answered twice, and a batch of
+`batch_offline_min_lines` runs as a Ray Data job while the replicas' engines compute nothing."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ HTTP_PORT, METRICS_PORT = 18580, 18581
 METRICS_URL = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 ENGINE_REPLICA = "SERVE_REPLICA::qkv#EngineDeployment#"
 ENDED = ("completed", "failed", "cancelled", "expired")
+OFFLINE_MIN_LINES = 64  # a batch this large runs as a Ray Data job (the module's other batches are smaller)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     batch_dir = tmp_path_factory.mktemp("batch")
     gate = tmp_path_factory.mktemp("gate") / "hold"  # while it exists, the engines compute nothing
     args = {"model": str(model), "served_model_name": MODEL, "num_replicas": 2, "engine_num_cpus": 0.5,
-            "max_num_seqs": 4, "num_kv_blocks": 128, "batch_dir": str(batch_dir)}
+            "max_num_seqs": 4, "num_kv_blocks": 128, "batch_dir": str(batch_dir),
+            "batch_offline_min_lines": OFFLINE_MIN_LINES, "batch_offline_num_cpus": 0.25}
     with local_service(args, HTTP_PORT, metrics_port=METRICS_PORT, step_gate=str(gate)) as url:
         yield url, batch_dir, gate
 
@@ -162,3 +165,29 @@ def test_a_batch_whose_replicas_are_killed_resumes_with_no_line_lost_or_answered
     # on Ray's endpoint, so that a test after this one starts from settled counters.
     wait_until(lambda: sum(_live_lines().values()) == len(prompts) - len(before), 60,
                "the resumed lines on Ray's metrics endpoint")
+
+
+def test_a_large_batch_runs_as_a_ray_data_job_while_the_replicas_engines_compute_nothing(
+        service: tuple[str, Path, Path]) -> None:
+    url, _, gate = service
+    client = _client(url)
+    lines_earlier = sum(_live_lines().values())
+    prompts = {f"o{i}": [10 + i % 50, 6, 7 + i % 3, 8] for i in range(OFFLINE_MIN_LINES)}
+    gate.touch()  # the replicas' engines hold every step: only the job's own engine can answer
+    try:
+        batch_id = _submit(client, prompts, max_tokens=4)
+        done = _ended(client, batch_id, timeout_s=240)
+    finally:
+        gate.unlink()
+    assert done.status == "completed", done
+    assert done.request_counts.completed == len(prompts) and done.request_counts.failed == 0
+    output = _output(client, done.output_file_id)
+    assert [x["custom_id"] for x in output] == list(prompts)
+    for x in output[:: len(output) // 8]:  # the job's answers are the interactive endpoint's
+        direct = client.completions.create(model=MODEL, prompt=prompts[x["custom_id"]], max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert x["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+        assert x["response"]["body"]["usage"] == direct.usage.model_dump(exclude_none=True)
+    # The replica that held the batch counts its lines (so a test after this one starts from settled counters).
+    wait_until(lambda: sum(_live_lines().values()) - lines_earlier == len(prompts), 60,
+               "the job's lines on Ray's metrics endpoint")

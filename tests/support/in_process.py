@@ -13,16 +13,11 @@ from service.server.api import IngressSettings, build_api
 from service.http.engine_call import OverloadPolicy
 from service.openai.serving import OpenAIServing
 from service.host.engine_host import EngineHost
+from service.offline import batch_job as offline_batch_job
 
 
-class NullMetrics:
-    """Stands in for `EngineMetrics` (Ray's metrics need a Ray worker)."""
-
-    def observe(self, out: Any, last: float | None) -> float | None:
-        return out.token_times[-1] if out.token_times else last
-
-    def observe_abort(self, num_prompt_tokens: int) -> None:
-        pass
+class NullMetrics(offline_batch_job.NullMetrics):
+    """Stands in for `EngineMetrics` (Ray's metrics need a Ray worker), keeping what tests read."""
 
     def observe_lora_request(self, lora: str) -> None:
         self.lora_requests = getattr(self, "lora_requests", {})
@@ -30,9 +25,6 @@ class NullMetrics:
 
     def observe_embeddings(self, num_prompt_tokens: int) -> None:
         self.embedded_tokens = getattr(self, "embedded_tokens", 0) + num_prompt_tokens
-
-    def refresh(self, stats: Any) -> None:
-        pass
 
 
 def recorded_counters(metrics: Any, names: dict[str, str]) -> dict[str, list[float]]:

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
 from service.app import AppArgs, build_app, use_gpu
+from service.app.engine_app import ingress_settings
 
 
 def test_command_line_strings_are_converted() -> None:
@@ -50,6 +51,18 @@ def test_batch_dir_is_made_absolute_and_takes_a_file_uri_or_an_installed_fsspec_
         AppArgs(batch_dir="memory://batches")
     with pytest.raises(ValidationError, match=r"fsspec cannot open nope:// here"):
         AppArgs(batch_dir="nope://x")
+
+
+def test_batch_offline_min_lines_needs_batch_dir_and_one_device_engines(tmp_path) -> None:
+    with pytest.raises(ValidationError, match="batch_offline_min_lines needs batch_dir"):
+        AppArgs(batch_offline_min_lines=100)
+    with pytest.raises(ValidationError, match="with tensor_parallel_size > 1 leave it out"):
+        AppArgs(batch_dir=str(tmp_path), batch_offline_min_lines=100, tensor_parallel_size=2)
+    with pytest.raises(ValidationError):
+        AppArgs(batch_dir=str(tmp_path), batch_offline_min_lines=0)
+    args = AppArgs(batch_dir=str(tmp_path), batch_offline_min_lines=100, batch_offline_num_cpus=0.5)
+    settings = ingress_settings(args)
+    assert (settings.batch_offline_min_lines, settings.batch_offline_num_cpus) == (100, 0.5)
 
 
 def test_a_max_model_len_the_cache_cannot_hold_fails_at_build_time_in_one_line() -> None:

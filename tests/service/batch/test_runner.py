@@ -250,3 +250,102 @@ def test_the_loop_reports_the_statuses_while_it_runs_a_batch(root) -> None:
 
     asyncio.run(scenario())
     assert all(sum(r.values()) == 1 for r in reports)
+
+
+class FakeOffline:
+    """An `Offline` that answers as `Endpoint` does (each answer in order, a tick between them) and
+    records what it was given; `held` (when set) holds the answers after the first `hold_after`."""
+
+    def __init__(self, endpoint: Endpoint, min_lines: int, takes: bool = True) -> None:
+        self.endpoint, self.min_lines, self._takes = endpoint, min_lines, takes
+        self.given: list[list[str]] = []
+        self.closed = 0
+        self.hold_after: int | None = None
+        self.fail_after: int | None = None
+
+    def takes(self, owner: str | None) -> bool:
+        return self._takes
+
+    async def answers(self, endpoint: str, requests: list, owner: str | None):
+        self.given.append([custom_id for custom_id, _ in requests])
+        try:
+            for i, (custom_id, body) in enumerate(requests):
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise RuntimeError("the batch's Ray Data job failed: an actor died")
+                while self.hold_after is not None and i >= self.hold_after:
+                    yield None  # nothing comes: the runner hears a tick
+                    await asyncio.sleep(0.01)
+                status, answer = await self.endpoint(endpoint, body, owner)
+                yield custom_id, status, answer
+                yield None
+        finally:
+            self.closed += 1
+
+
+def test_a_batch_of_min_lines_runs_offline_and_a_smaller_one_through_send(root) -> None:
+    files, offline_side, send = FileStore(root), Endpoint(), Endpoint()
+    offline = FakeOffline(offline_side, min_lines=3)
+    runner = BatchRunner(root, files, send, offline=offline)
+    big = runner.create(upload(files, request_line("a"), request_line("bad", max_tokens=0), request_line("c")),
+                        CHAT, "24h", None, None)
+    small = runner.create(upload(files, request_line("x"), request_line("y")), CHAT, "24h", None, None)
+    done = asyncio.run(runner.run(big.id)).to_openai()
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert offline.given == [["a", "bad", "c"]] and offline.closed == 1 and not send.sent
+    assert [x["response"]["body"]["choices"][0]["message"]["content"]
+            for x in lines_of(files, done["output_file_id"])] == ["re: a", "re: c"]
+    assert lines_of(files, done["error_file_id"])[0]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert asyncio.run(runner.run(small.id)).status == "completed"
+    assert send.sent == Counter({"x": 1, "y": 1}) and len(offline.given) == 1
+
+
+def test_a_batch_the_offline_side_does_not_take_runs_through_send(root) -> None:
+    files, send = FileStore(root), Endpoint()
+    offline = FakeOffline(Endpoint(), min_lines=1, takes=False)
+    runner = BatchRunner(root, files, send, offline=offline)
+    batch = runner.create(upload(files, request_line("a"), request_line("b"), owner="tenant-a"), CHAT, "24h", None,
+                          "tenant-a")
+    assert asyncio.run(runner.run(batch.id)).status == "completed"
+    assert send.sent == Counter({"a": 1, "b": 1}) and offline.given == []
+
+
+def test_an_offline_run_that_fails_resumes_with_only_what_was_not_answered(root) -> None:
+    files, side = FileStore(root), Endpoint()
+    ids = [f"r{i}" for i in range(6)]
+    offline = FakeOffline(side, min_lines=5)
+    offline.fail_after = 2
+    batch_id = BatchRunner(root, files, Endpoint(), offline=offline).create(
+        upload(files, *(request_line(i) for i in ids)), CHAT, "24h", None, None).id
+    with pytest.raises(RuntimeError, match="actor died"):
+        asyncio.run(BatchRunner(root, files, Endpoint(), offline=offline).run(batch_id))
+    offline.fail_after = None
+    runner = BatchRunner(root, FileStore(root), Endpoint(), offline=offline)
+    assert runner.get(batch_id, None).completed == 2
+    done = asyncio.run(runner.run(batch_id))
+    # Still offline after the restart (the whole batch's size decides), and only the rest was given.
+    assert offline.given == [ids, ids[2:]] and done.status == "completed" and done.completed == 6
+    assert side.sent == Counter({i: 1 for i in ids})
+    assert [x["custom_id"] for x in lines_of(files, done.output_file_id)] == ids
+
+
+def test_cancelling_an_offline_run_closes_it_with_the_answers_so_far(root, monkeypatch) -> None:
+    from service.batch import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "SAVE_EVERY_S", 0.0)  # look for the cancel at every tick
+    files, side = FileStore(root), Endpoint()
+    offline = FakeOffline(side, min_lines=1)
+    offline.hold_after = 2
+    runner = BatchRunner(root, files, Endpoint(), offline=offline)
+    batch_id = runner.create(upload(files, *(request_line(f"r{i}") for i in range(5))), CHAT, "24h", None, None).id
+
+    async def scenario():
+        task = asyncio.create_task(runner.run(batch_id))
+        while sum(side.sent.values()) < 2:
+            await asyncio.sleep(0.01)
+        other = BatchRunner(root, FileStore(root), Endpoint())  # the cancel reaches another replica
+        assert other.cancel(batch_id, None).status == "cancelling"
+        return await asyncio.wait_for(task, 30)
+
+    done = asyncio.run(scenario()).to_openai()
+    assert done["status"] == "cancelled" and done["request_counts"]["completed"] == 2 and offline.closed == 1
+    assert [x["custom_id"] for x in lines_of(files, done["output_file_id"])] == ["r0", "r1"]

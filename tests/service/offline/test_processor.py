@@ -7,8 +7,6 @@ The checks of single rows call one actor's callable in this process, without Ray
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -18,7 +16,6 @@ import ray
 from model.llm import LLM
 from model.sampling.params import SamplingParams
 from service.offline.processor import GenerateBatch, ProcessorConfig, build_processor
-from tests.support.chat_tokenizers import write_tiny_qwen3_chat
 from tests.support.requirements import need_module
 from tests.support.tiny_models import torch_threads
 
@@ -34,21 +31,7 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The dog sat on the log."}],
 ]
-MAX_MODEL_LEN = 1024  # the tiny Qwen3's max_position_embeddings
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random Qwen3 with a chat template of its own (tokenizer.json, tokenizer_config.json)."""
-    return str(write_tiny_qwen3_chat(tmp_path_factory.mktemp("qwen3-chat")))
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
+MAX_MODEL_LEN = 1024  # the tiny Qwen3's max_position_embeddings (tests/support/chat_tokenizers.py)
 
 
 @pytest.fixture(scope="module")
