@@ -1,6 +1,8 @@
 """A batch beside interactive traffic, on a local Ray Serve (one engine replica, 127.0.0.1 only,
 priority scheduling, the Batch API over a temporary `batch_dir`), measured in one run, for each
-value of the engine's `lowest_priority_max_seqs` given (a fresh service each):
+value of the engine's `lowest_priority_max_seqs` given, and with `--ray-data` once more with every
+batch handed to a Ray Data job (`batch_offline_min_lines` 1: one engine actor of one CPU beside the
+replica, on a local Ray of 3 logical CPUs), a fresh service each:
 
 1. interactive alone: closed-loop streaming clients (a short think time between requests) for
    `--seconds`: their TTFT p50/p99;
@@ -17,7 +19,7 @@ then, once:
 Reported, for each setting: interactive TTFT p99 beside the batch / alone (target: <= 1.2) and the
 batch's throughput on the idle service / the offline engine's (target: >= 0.9).
 
-    .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --out docs/results/bench_batch_beside_interactive.json
+    .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --ray-data --out docs/results/bench_batch_beside_interactive.json
     .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --quick   # ~3 min, a tiny model
 """
 
@@ -55,11 +57,18 @@ def prompts(n: int, seed: int, words: int = 24) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-def service_args(model: str, batch_dir: str, lowest_max: int | None = None) -> dict[str, Any]:
+RAY_DATA = "ray-data"  # the run whose batches go to a Ray Data job
+
+
+def service_args(model: str, batch_dir: str, mode: int | str | None = None) -> dict[str, Any]:
+    """`mode`: None (no limit), an int (`lowest_priority_max_seqs`) or RAY_DATA."""
+    if mode == RAY_DATA:
+        extra: dict[str, Any] = {"batch_offline_min_lines": 1, "batch_offline_num_cpus": 1}
+    else:
+        extra = {} if mode is None else {"lowest_priority_max_seqs": mode}
     return {"model": model, "served_model_name": MODEL, "max_num_seqs": MAX_NUM_SEQS, "engine_num_cpus": 1,
             "torch_threads": 1, "max_queued_requests": 512, "scheduling_policy": "priority",
-            "batch_dir": batch_dir, "batch_concurrency": MAX_NUM_SEQS,
-            **({} if lowest_max is None else {"lowest_priority_max_seqs": lowest_max})}
+            "batch_dir": batch_dir, "batch_concurrency": MAX_NUM_SEQS, **extra}
 
 
 def interactive(url: str, n: int, seconds: float, max_tokens: int, think_s: float) -> list[dict[str, Any]]:
@@ -87,11 +96,13 @@ def batch_state(http: httpx.Client, batch_id: str) -> dict[str, Any]:
     return r.json()
 
 
-def run_service(model: str, args: argparse.Namespace, lowest_max: int | None) -> dict[str, Any]:
+def run_service(model: str, args: argparse.Namespace, mode: int | str | None) -> dict[str, Any]:
     from tests.support.local_serve import local_service
 
+    # The job's actor takes one logical CPU of its own: two cores still run everything.
+    cpus = 3 if mode == RAY_DATA else 2
     with tempfile.TemporaryDirectory() as batch_dir, \
-            local_service(service_args(model, batch_dir, lowest_max), HTTP_PORT, num_cpus=2) as url, \
+            local_service(service_args(model, batch_dir, mode), HTTP_PORT, num_cpus=cpus) as url, \
             httpx.Client(base_url=url, timeout=120) as http:
         interactive(url, args.clients, min(3.0, args.seconds), args.max_tokens, args.think_s)  # warm
         alone = interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s)
@@ -132,8 +143,10 @@ def run_offline(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"lines": len(outs), "seconds": seconds, "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds}
 
 
-def label(lowest_max: int | None) -> str:
-    return "no limit" if lowest_max is None else f"lowest_priority_max_seqs {lowest_max}"
+def label(mode: int | str | None) -> str:
+    if mode == RAY_DATA:
+        return "Ray Data job"
+    return "no limit" if mode is None else f"lowest_priority_max_seqs {mode}"
 
 
 def table(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
@@ -174,6 +187,8 @@ def main() -> None:
     ap.add_argument("--lowest-priority-max-seqs", nargs="+", default=["none", "1"],
                     help="the engine's lowest_priority_max_seqs (batch rows in a step beside interactive requests) "
                          "to measure, one service each; none: no limit")
+    ap.add_argument("--ray-data", action="store_true",
+                    help="also a service that hands every batch to a Ray Data job (batch_offline_min_lines 1)")
     add_result_args(ap, None)
     args = ap.parse_args()
     if args.quick:
@@ -183,8 +198,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_checkpoint(Path(tmp) / "m", max_position=512, d_model=args.d_model, n_heads=4,
                                           n_layers=4, d_ff=4 * args.d_model))
-        caps = [None if v == "none" else int(v) for v in args.lowest_priority_max_seqs]
-        res: dict[str, Any] = {"runs": {label(cap): run_service(model, args, cap) for cap in caps}}
+        modes: list[int | str | None] = [None if v == "none" else int(v) for v in args.lowest_priority_max_seqs]
+        modes += [RAY_DATA] if args.ray_data else []
+        res: dict[str, Any] = {"runs": {label(mode): run_service(model, args, mode) for mode in modes}}
         res["offline"] = run_offline(model, args)
     res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "note", "allow_dirty")}
     columns, rows = table(res)
