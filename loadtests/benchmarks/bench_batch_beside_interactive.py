@@ -14,12 +14,15 @@ replica, on a local Ray of 3 logical CPUs), a fresh service each:
    measured); the batch is cancelled afterwards;
 then, once:
 4. the offline engine: the same requests as phase 2 through `model.LLM.generate` in this process
-   (one torch thread, as the replica has), after the services are stopped.
+   (one torch thread, as the replica has), after the services are stopped;
+5. with `--cpu-hog`, the bound the machine sets: on a fresh service with no batch, the clients
+   alone and then beside a busy-loop process (one core's worth of work that is not the service's),
+   which is what any batch computing on the same two cores costs at least.
 
 Reported, for each setting: interactive TTFT p99 beside the batch / alone (target: <= 1.2) and the
 batch's throughput on the idle service / the offline engine's (target: >= 0.9).
 
-    .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --ray-data --out docs/results/bench_batch_beside_interactive.json
+    .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --ray-data --cpu-hog --out docs/results/bench_batch_beside_interactive.json
     .venv/bin/python loadtests/benchmarks/bench_batch_beside_interactive.py --quick   # ~3 min, a tiny model
 """
 
@@ -128,6 +131,25 @@ def run_service(model: str, args: argparse.Namespace, mode: int | str | None) ->
                              "running_throughout": end["status"] == "in_progress"}}
 
 
+def run_beside_hog(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The clients alone, then beside a busy loop (no batch): the cost of sharing the cores."""
+    import subprocess
+
+    from tests.support.local_serve import local_service
+
+    with tempfile.TemporaryDirectory() as batch_dir, \
+            local_service(service_args(model, batch_dir), HTTP_PORT, num_cpus=2) as url:
+        interactive(url, args.clients, min(3.0, args.seconds), args.max_tokens, args.think_s)  # warm
+        alone = interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s)
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            beside = interactive(url, args.clients, args.seconds, args.max_tokens, args.think_s)
+        finally:
+            hog.kill()
+            hog.wait()
+    return {"alone": summary(alone), "beside": summary(beside)}
+
+
 def run_offline(model: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -169,6 +191,12 @@ def table(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
                  [f"{name}: batch tokens/s, offline engine vs the idle service", res["offline"]["tokens_per_s"],
                   run["idle_batch"]["tokens_per_s"], rate_ratio,
                   ">= 0.9: " + ("reached" if rate_ratio >= 0.9 else "not reached")]]
+    if res.get("cpu_hog"):
+        a, b = res["cpu_hog"]["alone"], res["cpu_hog"]["beside"]
+        for q in ("p50", "p99"):
+            x, y = a[f"ttft_{q}_ms"], b[f"ttft_{q}_ms"]
+            rows.append([f"no batch, a busy loop beside: interactive TTFT {q} (ms)", x, y,
+                         y / x if x and y else None, "the bound two shared cores set"])
     return columns, rows
 
 
@@ -189,6 +217,8 @@ def main() -> None:
                          "to measure, one service each; none: no limit")
     ap.add_argument("--ray-data", action="store_true",
                     help="also a service that hands every batch to a Ray Data job (batch_offline_min_lines 1)")
+    ap.add_argument("--cpu-hog", action="store_true",
+                    help="also the clients beside a busy-loop process and no batch (the machine's bound)")
     add_result_args(ap, None)
     args = ap.parse_args()
     if args.quick:
@@ -201,6 +231,8 @@ def main() -> None:
         modes: list[int | str | None] = [None if v == "none" else int(v) for v in args.lowest_priority_max_seqs]
         modes += [RAY_DATA] if args.ray_data else []
         res: dict[str, Any] = {"runs": {label(mode): run_service(model, args, mode) for mode in modes}}
+        if args.cpu_hog:
+            res["cpu_hog"] = run_beside_hog(model, args)
         res["offline"] = run_offline(model, args)
     res["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "note", "allow_dirty")}
     columns, rows = table(res)
