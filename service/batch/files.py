@@ -19,14 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from service.batch.storage import LocalStorage, Storage, open_storage
+from service.batch.storage import LEFT_BY_A_CRASH_S, LocalStorage, Storage, open_storage
 from service.errors import APIError
 
 PURPOSES = ("batch", "batch_output")  # what a client uploads; what a batch writes (output and error files)
 UPLOAD_PURPOSES = ("batch",)
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit on a batch input file
 MAX_FILE_LINES = 50_000  # OpenAI's limit on the requests of one batch
-STALE_WRITE_S = 3600  # a file's content without its object this old was left by a crash (a live write takes far less)
 
 
 @dataclass(frozen=True)
@@ -74,11 +73,6 @@ class FileStore:
         self.max_bytes, self.max_lines = max_bytes, max_lines
         if isinstance(self.storage, LocalStorage):
             self.storage.remove_stale_temps("files")
-        for name in self.storage.names("files"):  # a crash between a file's content and its object, an hour ago
-            if name.startswith("file-") and not self.storage.exists(f"files/{name}/object.json"):
-                age = self.storage.age(f"files/{name}/content")
-                if age is not None and age > STALE_WRITE_S:
-                    self.storage.remove_folder(f"files/{name}")
 
     def create(self, content: bytes, filename: str, purpose: str, owner: str | None) -> FileRecord:
         """Store an upload; APIError 400 for an unknown purpose, 413 for a file over the limits."""
@@ -135,6 +129,17 @@ class FileStore:
         except FileNotFoundError:
             return None
 
+    def _read_or_sweep(self, name: str) -> FileRecord | None:
+        """The file `name`; a content without its object (a crash between the two writes) is
+        removed once it is an hour old. Listing reads every object anyway, so the sweep costs one
+        more request only for such a leftover (not one per file at every start)."""
+        record = self._read(name)
+        if record is None:
+            age = self.storage.age(f"files/{name}/content")
+            if age is not None and age > LEFT_BY_A_CRASH_S:
+                self.storage.remove_folder(f"files/{name}")
+        return record
+
     def list(self, owner: str | None, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
              order: str = "desc") -> dict[str, Any]:
         """OpenAI's list object of `owner`'s files, newest first (`order="desc"`) or oldest first,
@@ -143,7 +148,7 @@ class FileStore:
             raise APIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
         if not 1 <= limit <= 10_000:
             raise APIError(f"limit must be between 1 and 10000, got {limit}.", param="limit")
-        records = (self._read(name) for name in self.storage.names("files") if name.startswith("file-"))
+        records = (self._read_or_sweep(name) for name in self.storage.names("files") if name.startswith("file-"))
         mine = [r for r in records if r is not None and r.owner == owner and purpose in (None, r.purpose)]
         mine.sort(key=lambda r: (r.created_at, r.id), reverse=order == "desc")
         return list_page(mine, after, limit, no_such_file)

@@ -253,9 +253,8 @@ class BatchRunner:
         record = journal.record
         if self._cancelled(journal):
             end = "cancelled"
-        elif self.clock() >= record.expires_at and len(journal.answered()) < len(requests):
+        elif self.clock() >= record.expires_at and len(answered := journal.answered()) < len(requests):
             end = "expired"
-            answered = journal.answered()
             for request in requests:
                 if request.custom_id not in answered:
                     self._record(journal, answer_line(record.id, request.custom_id, 0, None, error={

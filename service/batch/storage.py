@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_S = 60.0  # how long a lease lasts without renewal: a dead holder's batch resumes elsewhere after it
 LEASE_SETTLE_S = 0.5  # a lease is read back this long after it is written: of two writers, the last one holds it
+LEFT_BY_A_CRASH_S = 3600  # a partial write this old was left by a crash (a live write takes far less)
 
 
 class Lock(Protocol):
@@ -85,8 +86,6 @@ class Storage:
 
 class LocalStorage(Storage):
     """A directory of this machine (or a mount every replica shares)."""
-
-    STALE_TEMP_S = 3600  # a temporary file this old was left by a crash (a live write takes far less)
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -143,7 +142,7 @@ class LocalStorage(Storage):
         directory = self._path(folder)
         for leftover in directory.rglob(".*") if directory.is_dir() else ():
             try:
-                if time.time() - leftover.stat().st_mtime > self.STALE_TEMP_S:
+                if time.time() - leftover.stat().st_mtime > LEFT_BY_A_CRASH_S:
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
             except OSError:
                 pass

@@ -110,10 +110,12 @@ def test_a_crash_mid_write_leaves_no_half_file(tmp_path) -> None:
     fresh = tmp_path / "files" / "file-4567"  # another process writing right now
     fresh.mkdir()
     (fresh / "content").write_bytes(b"new")
-    FileStore(tmp_path)  # a start removes what a crash left an hour ago, never a write in progress
-    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(["file-4567", kept.id])
+    FileStore(tmp_path)  # a start removes the temporary files a crash left an hour ago
     assert sorted(p.name for p in (tmp_path / "files" / kept.id).iterdir()) == ["content", "object.json"]
+    # A listing (it reads every file's object) removes a content left without its object an hour
+    # ago, never a write in progress.
     assert [f["id"] for f in store.list(None)["data"]] == [kept.id]
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == sorted(["file-4567", kept.id])
     for bad in ("file-0123", "file-4567", "../files", "file-x/../../etc"):
         with pytest.raises(APIError):
             store.get(bad, None)
