@@ -72,6 +72,7 @@ class BatchRunner:
                  offline: Offline | None = None) -> None:
         self.root, self.files, self.send = open_storage(root), files, send
         self.concurrency, self.clock, self.on_line, self.offline = concurrency, clock, on_line, offline
+        self._offline_failed: set[str] = set()  # batches whose offline run failed here: they go on through `send`
 
     # ---- the API's calls ---------------------------------------------------------------------
 
@@ -184,9 +185,16 @@ class BatchRunner:
             await asyncio.to_thread(journal.save)
         done = await asyncio.to_thread(journal.answered)
         todo = [r for r in requests if r.custom_id not in done]
-        # Decided by the whole batch's size, so that a resumed batch runs where it started.
-        if self.offline is not None and len(requests) >= self.offline.min_lines and self.offline.takes(record.owner):
-            await self._run_offline(journal, todo)
+        # Decided by the whole batch's size, so that a resumed batch runs where it started; but a
+        # batch whose offline run failed in this process goes on here (a job that cannot run, such as
+        # a model its actors cannot load, would otherwise be started again at every pass).
+        if (self.offline is not None and len(requests) >= self.offline.min_lines
+                and record.id not in self._offline_failed and self.offline.takes(record.owner)):
+            try:
+                await self._run_offline(journal, todo)
+            except Exception:
+                self._offline_failed.add(record.id)
+                raise
             return await asyncio.to_thread(self._end, journal, requests)
         limit = asyncio.Semaphore(self.concurrency)
         saved = [time.monotonic()]

@@ -3,7 +3,8 @@
 A batch of at least `min_lines` requests is not run through the replica's engine: the replica that
 holds the batch starts a Ray Data job whose engine actors (`concurrency` of them, each with
 `num_cpus` / `num_gpus`) answer its requests, and records each answer in the batch's journal as it
-comes back (service/batch/runner.py: cancel, expiry and resume work as for any batch). Each actor
+comes back (service/batch/runner.py: cancel, expiry and resume work as for any batch; a batch
+whose job failed goes on in that replica's engine). Each actor
 runs the replica's own HTTP edge (the same routes, request checks and answer bodies) over an
 engine built from the replica's arguments, so a line gets the body the interactive endpoint would
 give it; what it does not share with the service is the replica's engine, its queue and its
@@ -169,8 +170,11 @@ class EdgeBatch:
             build_engine, model=spec.model, engine_config=config, device=spec.device, dtype=spec.dtype,
             seed=spec.seed, revision=spec.revision)))
         host = EngineHost(engine, spec.served_model_name, metrics=NullMetrics(), torch_thread=torch_thread)
-        # No batch service inside the actor, and no admission bound: the job's rows queue in its engine.
-        settings = IngressSettings(**(spec.settings | {"batch_dir": None, "admission_capacity": -1}))
+        # No batch service inside the actor, no admission bound (the job's rows queue in its engine),
+        # and no key check: the rows come from the batch's owner, whose tenant is set per request
+        # (the keys file need not be on this node).
+        settings = IngressSettings(**(spec.settings | {"batch_dir": None, "admission_capacity": -1, "api_key": None,
+                                                       "api_keys_file": None}))
         overload = OverloadPolicy(settings.overload_status, settings.retry_after_s, settings.admission_capacity)
         serving = OpenAIServing(host.model_info(), host, overload, settings.request_timeout_s,
                                 settings.tool_call_parser, settings.reasoning_parser, tuple(settings.app_models),

@@ -328,6 +328,20 @@ def test_an_offline_run_that_fails_resumes_with_only_what_was_not_answered(root)
     assert [x["custom_id"] for x in lines_of(files, done.output_file_id)] == ids
 
 
+def test_a_batch_whose_offline_run_failed_goes_on_through_send_in_that_process(root) -> None:
+    files, side, send = FileStore(root), Endpoint(), Endpoint()
+    ids = [f"r{i}" for i in range(5)]
+    offline = FakeOffline(side, min_lines=5)
+    offline.fail_after = 2
+    runner = BatchRunner(root, files, send, offline=offline)
+    batch_id = runner.create(upload(files, *(request_line(i) for i in ids)), CHAT, "24h", None, None).id
+    with pytest.raises(RuntimeError, match="actor died"):
+        asyncio.run(runner.run(batch_id))
+    done = asyncio.run(runner.run(batch_id))  # the loop's next pass
+    assert done.status == "completed" and done.completed == 5 and len(offline.given) == 1
+    assert side.sent == Counter(ids[:2]) and send.sent == Counter(ids[2:])  # each once, none lost
+
+
 def test_cancelling_an_offline_run_closes_it_with_the_answers_so_far(root, monkeypatch) -> None:
     from service.batch import runner as runner_module
 
