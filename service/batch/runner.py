@@ -239,6 +239,8 @@ class BatchRunner:
         cancelled or expires. An error of the run ends this, as a `send` error does."""
         record = journal.record
         assert self.offline is not None
+        if not todo:  # every request answered before a restart: no job to start
+            return
         stream = self.offline.answers(record.endpoint, [(r.custom_id, r.body) for r in todo], record.owner)
         saved = time.monotonic()
         try:

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from service.batch.api import BatchLoop
-from service.batch.batches import STATUSES, BatchJournal
+from service.batch.batches import STATUSES, BatchJournal, answer_line
 from service.batch.files import FileStore
 from service.batch.runner import BatchRunner
 from service.batch.storage import open_storage
@@ -326,6 +326,22 @@ def test_an_offline_run_that_fails_resumes_with_only_what_was_not_answered(root)
     assert offline.given == [ids, ids[2:]] and done.status == "completed" and done.completed == 6
     assert side.sent == Counter({i: 1 for i in ids})
     assert [x["custom_id"] for x in lines_of(files, done.output_file_id)] == ids
+
+
+def test_a_batch_answered_whole_before_a_restart_ends_without_starting_a_job(root) -> None:
+    files, side = FileStore(root), Endpoint()
+    offline = FakeOffline(side, min_lines=2)
+    runner = BatchRunner(root, files, Endpoint(), offline=offline)
+    batch_id = runner.create(upload(files, request_line("a"), request_line("b")), CHAT, "24h", None, None).id
+    record = runner.get(batch_id, None)
+    record.total = 2
+    record.enter("in_progress", 1.0)
+    journal = BatchJournal(open_storage(root), record)
+    journal.save()
+    for custom_id in ("a", "b"):  # answered, then the process stopped before the batch's end
+        journal.append(answer_line(batch_id, custom_id, 200, {"choices": []}))
+    done = asyncio.run(BatchRunner(root, FileStore(root), Endpoint(), offline=offline).run(batch_id))
+    assert done.status == "completed" and done.completed == 2 and offline.given == []
 
 
 def test_a_batch_whose_offline_run_failed_goes_on_through_send_in_that_process(root) -> None:
