@@ -36,9 +36,7 @@ from service.batch.api import in_process_send
 from service.batch.runner import Answer
 from service.engine.engine_loop import TorchThread
 from service.host.engine_host import EngineHost
-from service.http.engine_call import OverloadPolicy
-from service.openai.serving import OpenAIServing
-from service.server.api import IngressSettings, build_api
+from service.server.api import IngressSettings, build_api, edge_serving
 from service.tenancy.keys import Tenant
 
 logger = logging.getLogger(__name__)
@@ -175,10 +173,7 @@ class EdgeBatch:
         # (the keys file need not be on this node).
         settings = IngressSettings(**(spec.settings | {"batch_dir": None, "admission_capacity": -1, "api_key": None,
                                                        "api_keys_file": None}))
-        overload = OverloadPolicy(settings.overload_status, settings.retry_after_s, settings.admission_capacity)
-        serving = OpenAIServing(host.model_info(), host, overload, settings.request_timeout_s,
-                                settings.tool_call_parser, settings.reasoning_parser, tuple(settings.app_models),
-                                None, config.scheduling_policy == "priority", settings.image_limits())
+        serving = edge_serving(host, settings, priority_scheduling=config.scheduling_policy == "priority")
         app = build_api(serving, host.healthy, settings)
         return in_process_send(app, lambda _: tenant, None)
 

@@ -44,11 +44,9 @@ from service.engine.engine_loop import EngineFailure, SubRequest, TorchThread
 from service.engine.model_info import ModelInfo
 from service.host.engine_host import EngineHost
 from service.http.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
-from service.http.engine_call import OverloadPolicy
-from service.openai.serving import OpenAIServing
 from service.replica.kv_connector import KVTransfer, RayObjectStoreConnector, RemotePrefill, checksummed
 from service.replica.peer_fetch import PeerFetch
-from service.server.api import API_KEY_ENV, IngressSettings, build_api, model_cards
+from service.server.api import API_KEY_ENV, IngressSettings, build_api, edge_serving, model_cards
 from service.tenancy.quotas import Quotas
 
 logger = logging.getLogger(__name__)
@@ -123,13 +121,8 @@ class EngineReplica:
         # The key may be set only where the replicas run (a cluster's environment).
         settings = settings | {"api_key": settings.get("api_key") or os.environ.get(API_KEY_ENV) or None}
         self._settings = IngressSettings(**settings)
-        overload = OverloadPolicy(self._settings.overload_status, self._settings.retry_after_s,
-                                  self._settings.admission_capacity)
         tenants = Quotas(quotas, self._host.metrics) if self._settings.api_keys_file else None
-        self._serving = OpenAIServing(self._host.model_info(), self._host, overload, self._settings.request_timeout_s,
-                                      self._settings.tool_call_parser, self._settings.reasoning_parser,
-                                      tuple(self._settings.app_models), tenants,
-                                      config.scheduling_policy == "priority", self._settings.image_limits())
+        self._serving = edge_serving(self._host, self._settings, tenants, config.scheduling_policy == "priority")
         self._batch_offline = None
         if self._settings.batch_dir and self._settings.batch_offline_min_lines:
             from service.offline.batch_job import EdgeSpec, OfflineBatches  # Ray Data: only where it is used
@@ -144,7 +137,7 @@ class EngineReplica:
         runtime = engine.runtime
         logger.info("engine ready: model=%s device=%s dtype=%s max_model_len=%d kv_blocks=%d torch_threads=%d "
                     "admission=%d api key %s", model, runtime.device, runtime.dtype, runtime.max_model_len,
-                    runtime.num_kv_blocks, torch.get_num_threads(), overload.capacity,
+                    runtime.num_kv_blocks, torch.get_num_threads(), self._settings.admission_capacity,
                     "keys file" if self._settings.api_keys_file else "on" if self._settings.api_key else "off")
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -30,7 +30,7 @@ from service.batch.runner import BatchRunner
 from service.batch.storage import open_storage
 from service.errors import APIError, from_validation_error
 from service.explorer.attention_api import add_attention_routes
-from service.http.engine_call import watch_first_item
+from service.http.engine_call import OverloadPolicy, watch_first_item
 from service.http.event_stream import RAW_SEND, EventStream
 from service.http.images import ImageLimits
 from service.openai.embeddings import add_embeddings_routes
@@ -86,6 +86,17 @@ class IngressSettings:
     def image_limits(self) -> ImageLimits:
         return ImageLimits(self.max_images_per_request, self.max_image_bytes, self.max_image_pixels,
                            self.allowed_local_media_path, tuple(self.allowed_media_domains), self.image_fetch_timeout_s)
+
+
+def edge_serving(host: Any, settings: IngressSettings, quotas: Any = None,
+                 priority_scheduling: bool = False) -> OpenAIServing:
+    """The API families' handlers over an engine host, as `settings` configure the edge: a
+    replica's, or a batch job's engine actor's (service/offline/batch_job.py). `quotas`: the
+    tenants' ledger (None: no keys file)."""
+    overload = OverloadPolicy(settings.overload_status, settings.retry_after_s, settings.admission_capacity)
+    return OpenAIServing(host.model_info(), host, overload, settings.request_timeout_s, settings.tool_call_parser,
+                         settings.reasoning_parser, tuple(settings.app_models), quotas, priority_scheduling,
+                         settings.image_limits())
 
 
 def error_response(exc: APIError) -> JSONResponse:

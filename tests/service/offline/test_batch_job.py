@@ -22,10 +22,8 @@ from service.batch.files import FileStore
 from service.batch.runner import BatchRunner
 from service.engine.engine_loop import TorchThread
 from service.host.engine_host import EngineHost
-from service.http.engine_call import OverloadPolicy
 from service.offline.batch_job import EdgeSpec, NullMetrics, OfflineBatches
-from service.openai.serving import OpenAIServing
-from service.server.api import IngressSettings, build_api
+from service.server.api import IngressSettings, build_api, edge_serving
 from service.tenancy.keys import Limits, Tenant
 
 NAME = "tiny-chat"
@@ -59,8 +57,7 @@ async def interactive_answers(model_dir: str, requests: list[dict[str, Any]]) ->
     host = EngineHost(engine, NAME, metrics=NullMetrics(), torch_thread=thread)
     try:
         settings = IngressSettings()
-        serving = OpenAIServing(host.model_info(), host, OverloadPolicy())
-        send = in_process_send(build_api(serving, host.healthy, settings), lambda _: None, None)
+        send = in_process_send(build_api(edge_serving(host, settings), host.healthy, settings), lambda _: None, None)
         answers = await asyncio.gather(*(send(r["url"], r["body"], None) for r in requests))
     finally:
         host.stop()
