@@ -5,7 +5,8 @@ engines apply it to this one: it builds a CPU engine, then runs "steps" that all
 free tensors of 10-48 MiB (a prefill's products are that size), counting the page faults and the
 resident size's growth over the steps after a warm-up. Kept memory comes back without faults and
 the process stops growing once the first steps have sized its heap; glibc's default maps fresh
-pages for each block, one fault per 4 KiB page. `QKV_KEEP_FREED_MEMORY=0` keeps the default.
+pages for each block larger than its heap keeps, one fault per 4 KiB page.
+`QKV_KEEP_FREED_MEMORY=0` keeps the default.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ ROOT = REPO
 WARMUP, STEPS = 24, 12
 SIZES_MIB = (48, 40, 10, 48)  # step i allocates the first 1 + i % 4
 PAGES = sum(sum(SIZES_MIB[: 1 + i % 4]) for i in range(STEPS)) * 256  # 4 KiB pages the measured steps fill
+# Then three blocks of this size, one after another, each freed before the next: above anything
+# glibc's heap can hold on to by default (its trim threshold stops at 64 MiB), so by default each
+# is a fresh mapping whatever the heap looked like before.
+BIG_MIB, BIG_ROUNDS = 256, 3
 
-SCRIPT = f"WARMUP, STEPS, SIZES_MIB = {WARMUP}, {STEPS}, {SIZES_MIB}\n" + """
+SCRIPT = f"WARMUP, STEPS, SIZES_MIB, BIG_MIB, BIG_ROUNDS = {WARMUP}, {STEPS}, {SIZES_MIB}, {BIG_MIB}, {BIG_ROUNDS}\n" + """
 import json, resource, torch
 from model.config import EngineConfig
 from model.engine.builder import build_engine
@@ -44,7 +49,12 @@ for i in range(STEPS):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step(i)
     per_step.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-print(json.dumps({"applied": keep_freed_memory(), "faults": per_step, "growth": rss() - before}))
+growth, big = rss() - before, []
+for _ in range(BIG_ROUNDS):
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(BIG_MIB << 18).fill_(1.0)
+    big.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+print(json.dumps({"applied": keep_freed_memory(), "faults": per_step, "growth": growth, "big": big}))
 """
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or "libc.so.6" not in str(ctypes.util.find_library("c")),
@@ -77,5 +87,9 @@ def test_cpu_engine_reuses_freed_pages() -> None:
 def test_opting_out_leaves_malloc_as_it_was() -> None:
     got = _run({KEEP_FREED_MEMORY_ENV: "0"})
     assert got["applied"] is False
-    assert sum(got["faults"]) > PAGES // 2, got  # a fresh mapping: a fault per page
-    assert all(n > 64 for n in got["faults"]), got  # in every step
+    # glibc's default maps a fresh block each time, a fault per page, where the block is larger
+    # than its heap keeps. Not the steps' 40-48 MiB blocks: whether those come from the heap's
+    # free top depends on what the process freed before (a freed 32 MiB block lets the heap keep
+    # 64 MiB: seen under a full suite's run, where a step's first 48 MiB block took no fault).
+    # Kept memory would serve the second and third big block without a fault.
+    assert min(got["big"][1:]) > 0.9 * (BIG_MIB << 8), got
