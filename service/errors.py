@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from typing import Any
 
 from pydantic import ValidationError
@@ -51,6 +52,17 @@ def retry_after_seconds(retry_after_s: float) -> int:
     return max(1, int(-(-retry_after_s // 1)))
 
 
+def retry_after_headers(retry_after_s: float) -> dict[str, str]:
+    """`Retry-After` in whole seconds, and `retry-after-ms`, which the official OpenAI and
+    Anthropic SDKs read first: the wait plus up to one more second at random (at most the wait
+    again). Clients refused together would otherwise all come back in the same millisecond, and
+    that burst is what a quiet tenant's requests then queue behind."""
+    seconds = retry_after_seconds(retry_after_s)
+    wait = max(retry_after_s, 0.0)
+    jittered = wait + random.uniform(0.0, min(max(wait, 0.1), 1.0))
+    return {"Retry-After": str(seconds), "retry-after-ms": str(max(1, round(1000 * jittered)))}
+
+
 def overloaded_error(status: int, retry_after_s: float) -> APIError:
     """503 (or 429) telling the client to come back after `retry_after_s` seconds."""
     seconds = retry_after_seconds(retry_after_s)
@@ -59,7 +71,7 @@ def overloaded_error(status: int, retry_after_s: float) -> APIError:
         status=status,
         type="overloaded_error" if status == 503 else "rate_limit_error",
         code="overloaded" if status == 503 else "rate_limit_exceeded",
-        headers={"Retry-After": str(seconds)},
+        headers=retry_after_headers(retry_after_s),
     )
 
 

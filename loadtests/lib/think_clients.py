@@ -1,7 +1,7 @@
 """Closed-loop streaming clients with a think time, through httpx, each under an API key (or none):
 what the benchmarks of one service's traffic mixes drive (tenants beside a flood, interactive
 requests beside a batch). A client sends a streamed `/v1/completions` of random words, reads it
-to its end, waits its think time (or a 429's Retry-After, as the official SDKs do), and goes on
+to its end, waits its think time (or a 429's retry-after-ms or Retry-After, as the official SDKs do), and goes on
 until the clock runs out; each result is its status and TTFT (to the first text chunk)."""
 
 from __future__ import annotations
@@ -19,6 +19,17 @@ WORDS = ("red", "blue", "cat", "sat", "on", "the", "mat")
 Work = tuple[str | None, int, float, int]
 
 
+def retry_after(headers: httpx.Headers) -> float:
+    """The wait a refusal asks for, read as the official OpenAI and Anthropic SDKs read it:
+    `retry-after-ms` first, then `Retry-After` in seconds (1 s without either)."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            return float(headers[name]) * scale
+        except (KeyError, ValueError):
+            continue
+    return 1.0
+
+
 async def stream_once(http: httpx.AsyncClient, key: str | None, prompt: str, max_tokens: int,
                       model: str = "bench") -> dict[str, Any]:
     """One streaming completion: its status, TTFT (to the first text chunk) and Retry-After."""
@@ -29,7 +40,7 @@ async def stream_once(http: httpx.AsyncClient, key: str | None, prompt: str, max
     async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
-            return {"status": r.status_code, "retry_after": float(r.headers.get("Retry-After", 1))}
+            return {"status": r.status_code, "retry_after": retry_after(r.headers)}
         ttft, ok = None, False
         async for line in r.aiter_lines():
             if line.startswith("data: ") and ttft is None and '"text"' in line:

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from service.errors import APIError, retry_after_seconds
+from service.errors import APIError, retry_after_headers, retry_after_seconds
 from service.tenancy.keys import Tenant
 from service.tenancy.ledger import Grant, QuotaLedger, View
 
@@ -37,12 +37,13 @@ LIMIT_NAMES = {"requests_per_minute": "requests per minute", "tokens_per_minute"
 
 
 def rate_limited(tenant: Tenant, grant: Grant) -> APIError:
-    """429 in the API's error shape, with `Retry-After` in whole seconds."""
+    """429 in the API's error shape, with `Retry-After` in whole seconds (and a jittered
+    `retry-after-ms`)."""
     seconds = retry_after_seconds(grant.retry_after_s)
     limit = getattr(tenant.limits, grant.limit or "", None)
     return APIError(f"Rate limit reached for '{tenant.name}' on {LIMIT_NAMES.get(grant.limit or '', grant.limit)} "
                     f"(limit {limit}). Retry after {seconds} s.", 429, "rate_limit_error",
-                    code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
+                    code="rate_limit_exceeded", headers=retry_after_headers(grant.retry_after_s))
 
 
 class Quotas:
@@ -73,6 +74,7 @@ class Quotas:
         self._limits: dict[str, Any] = {}  # the limits of the tenants seen here, sent with each report
         self._refused: dict[str, tuple[Grant, float]] = {}  # tenant -> the ledger's last refusal, when
         self.refused_locally = 0
+        self._asking: dict[str, asyncio.Future] = {}  # tenant -> done when its ledger call in flight answers
 
     async def admit(self, tenant: Tenant, prompt_tokens: int) -> str | None:
         """A lease for one request of `tenant` (None: no limit to hold it against); raises the
@@ -84,10 +86,14 @@ class Quotas:
         lease = self._admit_locally(tenant, prompt_tokens) if self._remote else None
         if lease is None:
             grant = self._refused_lately(tenant.name)
+            asking = self._asking.get(tenant.name)
+            if grant is None and asking is not None:
+                # The tenant's request ahead is asking the ledger: its refusal answers this one too
+                # (a burst of a refused tenant's retries costs one ledger call, not one each).
+                await asyncio.wait([asking])
+                grant = self._refused_lately(tenant.name)
             if grant is None:
-                grant = await self._acquire(tenant, prompt_tokens)
-                if grant.limit is not None:
-                    self._refused[tenant.name] = (grant, time.monotonic())
+                grant = await self._ask(tenant, prompt_tokens)
             if grant.limit is not None:
                 if self._metrics is not None:
                     self._metrics.observe_tenant_rejection(tenant.name, grant.limit)
@@ -145,6 +151,23 @@ class Quotas:
         self._admitted.append((lease, tenant.name, prompt_tokens))
         self.admitted_locally += 1
         return lease
+
+    async def _ask(self, tenant: Tenant, prompt_tokens: int) -> Grant:
+        """The ledger's grant, a refusal kept for REFUSAL_TTL_S; while it is asked, the tenant's
+        later requests wait for its answer (`_asking`)."""
+        asking = self._asking.get(tenant.name)
+        mine = asking is None
+        if mine:
+            asking = self._asking[tenant.name] = asyncio.get_running_loop().create_future()
+        try:
+            grant = await self._acquire(tenant, prompt_tokens)
+            if grant.limit is not None:
+                self._refused[tenant.name] = (grant, time.monotonic())
+            return grant
+        finally:
+            if mine:
+                del self._asking[tenant.name]
+                asking.set_result(None)
 
     async def _acquire(self, tenant: Tenant, prompt_tokens: int) -> Grant:
         if not self._remote:

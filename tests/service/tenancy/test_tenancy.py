@@ -203,7 +203,10 @@ def test_the_edge_answers_as_the_keys_file_says(engine: Any, tmp_path: Path, mon
                 await limited.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                       max_tokens=2)
             assert err.value.body["code"] == "rate_limit_exceeded" and err.value.body["type"] == "rate_limit_error"
-            assert 1 <= int(err.value.response.headers["Retry-After"]) <= 60
+            headers = err.value.response.headers
+            assert 1 <= int(headers["Retry-After"]) <= 60
+            # What the official SDKs wait for first: the same wait to the millisecond, plus jitter.
+            assert int(headers["Retry-After"]) - 1 < int(headers["retry-after-ms"]) / 1e3 <= int(headers["Retry-After"]) + 1
             assert counts.rejections == [("limited", "requests_per_minute")]
             # Refused a moment ago: the next one is refused before its body is read, no ledger asked.
             with pytest.raises(openai.RateLimitError) as err:
@@ -416,3 +419,59 @@ def test_a_release_does_not_overtake_the_report_that_registers_its_lease() -> No
 
     asyncio.run(run())
     assert ledger.usage("a")["in_flight"] == 0
+
+
+def test_a_burst_of_a_refused_tenant_asks_the_ledger_once() -> None:
+    """Requests of one tenant that arrive while its request ahead asks the ledger wait for that
+    answer: a refusal answers them all (one ledger call for a burst of retries, not one each);
+    after a grant each asks for its own lease."""
+    ledger = QuotaLedger()
+
+    class Slow(RemoteLedger):
+        def __init__(self) -> None:
+            super().__init__(ledger)
+            self.gate, self.calls = asyncio.Event(), 0
+
+            async def acquire(*args: Any) -> Any:
+                self.calls += 1
+                await self.gate.wait()
+                return ledger.acquire(*args)
+
+            class _Slow:
+                def remote(self_inner, *args: Any) -> Any:
+                    return acquire(*args)
+            self.acquire = _Slow()
+
+    remote = Slow()
+    replica = Quotas(remote)
+    tenant = parse_keys(keys_yaml(a={"max_concurrency": 2}))[hash_key("key-a")]
+
+    async def admit() -> str | int:
+        try:
+            return await replica.admit(tenant, 1)
+        except Exception as exc:  # noqa: BLE001
+            return getattr(exc, "status", -1)
+
+    async def run() -> None:
+        remote.gate.set()
+        held = [await admit(), await admit()]  # the tenant's two slots
+        assert all(isinstance(lease, str) for lease in held) and remote.calls == 2
+        remote.gate.clear()
+        replica._refused.clear()  # as once REFUSAL_TTL_S has passed: the next request asks again
+        burst = [asyncio.create_task(admit()) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        assert remote.calls == 3  # the first asks; the seven behind it wait for its answer
+        remote.gate.set()
+        assert await asyncio.gather(*burst) == [429] * 8 and remote.calls == 3
+        for lease in held:
+            replica.release(lease, tenant)  # a slot of its own is free: the next ones ask again
+        remote.gate.clear()
+        burst = [asyncio.create_task(admit()) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert remote.calls == 4
+        remote.gate.set()
+        answers = await asyncio.gather(*burst)
+        # The first's grant answers nobody else: the two behind it asked for their own.
+        assert remote.calls == 6 and sum(isinstance(a, str) for a in answers) == 2 and answers.count(429) == 1
+
+    asyncio.run(run())
