@@ -2,7 +2,8 @@
 what the benchmarks of one service's traffic mixes drive (tenants beside a flood, interactive
 requests beside a batch). A client sends a streamed `/v1/completions` of random words, reads it
 to its end, waits its think time (or a 429's retry-after-ms or Retry-After, as the official SDKs do), and goes on
-until the clock runs out; each result is its status and TTFT (to the first text chunk)."""
+until the clock runs out; each result is its status, TTFT (to the first text chunk) and the wall
+clock time it was sent."""
 
 from __future__ import annotations
 
@@ -36,17 +37,17 @@ async def stream_once(http: httpx.AsyncClient, key: str | None, prompt: str, max
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-    t0 = time.perf_counter()
+    sent, t0 = time.time(), time.perf_counter()  # wall clock: comparable between the clients' processes
     async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
-            return {"status": r.status_code, "retry_after": retry_after(r.headers)}
+            return {"status": r.status_code, "retry_after": retry_after(r.headers), "sent": sent}
         ttft, ok = None, False
         async for line in r.aiter_lines():
             if line.startswith("data: ") and ttft is None and '"text"' in line:
                 ttft = time.perf_counter() - t0
             ok = ok or line == "data: [DONE]"
-        return {"status": 200 if ok else -1, "ttft": ttft}
+        return {"status": 200 if ok else -1, "ttft": ttft, "sent": sent}
 
 
 async def client_loop(http: httpx.AsyncClient, work: Work, until: float, out: list[dict[str, Any]],
