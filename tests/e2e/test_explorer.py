@@ -23,6 +23,8 @@ from tests.support.requirements import in_ci
 from tests.support.tiny_models import torch_threads
 from tests.support.paths import REPO
 
+pytestmark = pytest.mark.slow  # starts Ray Serve or a browser
+
 API_KEY = "explorer-test-key"
 MODEL = "transformer-base-trained"  # the default model: its heads learned something to show
 MAX_FLOATS = 200_000

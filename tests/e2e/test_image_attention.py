@@ -22,6 +22,8 @@ from tests.support.in_process import edge_app
 from tests.support.tiny_models import one_thread  # noqa: F401 (one torch thread: the edge's engine and LLM compare exactly)
 from tests.support.vision_models import QWEN2_VL_IDS, random_image, save_tiny_qwen2_vl
 
+pytestmark = pytest.mark.slow  # starts Ray Serve or a browser
+
 MODEL = "tiny-vl"
 CHROMIUM = "/usr/bin/chromium"
 PICTURE = random_image(7, 112, 84)  # 112 wide, 84 high: 8x6 patches of 14, merged 2x2: 3 rows x 4 columns of tokens

@@ -39,6 +39,8 @@ from tests.support.serve_fixtures import METRICS_INTERVAL_MS, engine_replica_ids
 from tests.support.tiny_models import build_tiny_llama, torch_threads, write_tiny_llama
 from tests.support.requirements import need_module
 
+pytestmark = pytest.mark.slow  # starts Ray Serve or a browser
+
 HTTP_PORT, METRICS_PORT = 19110, 19111
 METRICS_URL = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 SMALL = {"engine_num_cpus": 0.5, "router_num_cpus": 0.1, "torch_threads": 1, "max_num_seqs": 8,
