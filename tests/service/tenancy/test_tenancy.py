@@ -5,6 +5,7 @@ edge answering 401 / 403 / 429 with the official clients over a real engine in t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -253,12 +254,29 @@ class RemoteLedger:
 
         def remote(self, *args: Any) -> Any:
             async def call() -> Any:
-                return self._fn(*args)
+                result = self._fn(*args)
+                return await result if inspect.isawaitable(result) else result
             return call()
 
     def __init__(self, ledger: QuotaLedger) -> None:
         self.acquire = self._Method(ledger.acquire)
         self.report = self._Method(ledger.report)
+
+
+class GatedLedger(RemoteLedger):
+    """A `RemoteLedger` whose `method` ("acquire" or "report") reaches the ledger only while
+    `gate` is open; `calls` counts the calls made to it."""
+
+    def __init__(self, ledger: QuotaLedger, method: str) -> None:
+        super().__init__(ledger)
+        self.gate, self.calls = asyncio.Event(), 0
+        direct = getattr(ledger, method)
+
+        async def gated(*args: Any) -> Any:
+            self.calls += 1
+            await self.gate.wait()
+            return direct(*args)
+        setattr(self, method, self._Method(gated))
 
 
 def test_replicas_admit_far_from_a_limit_on_their_own_and_never_past_it() -> None:
@@ -379,24 +397,7 @@ def test_a_lease_admitted_here_and_given_back_before_its_report_is_not_leaked() 
 
 def test_a_release_does_not_overtake_the_report_that_registers_its_lease() -> None:
     ledger = QuotaLedger()
-
-    class SlowReports(RemoteLedger):
-        """Reports reach the ledger only after `gate` opens: an acquire in between goes first."""
-
-        def __init__(self) -> None:
-            super().__init__(ledger)
-            self.gate = asyncio.Event()
-
-            async def slow(*args: Any) -> Any:
-                await self.gate.wait()
-                return ledger.report(*args)
-
-            class _Slow:
-                def remote(self_inner, *args: Any) -> Any:
-                    return slow(*args)
-            self.report = _Slow()
-
-    remote = SlowReports()
+    remote = GatedLedger(ledger, "report")  # an acquire while a report waits at the gate goes first
     replica = Quotas(remote)
     tenant = parse_keys(keys_yaml(a={"max_concurrency": 8}))[hash_key("key-a")]
 
@@ -426,23 +427,7 @@ def test_a_burst_of_a_refused_tenant_asks_the_ledger_once() -> None:
     answer: a refusal answers them all (one ledger call for a burst of retries, not one each);
     after a grant each asks for its own lease."""
     ledger = QuotaLedger()
-
-    class Slow(RemoteLedger):
-        def __init__(self) -> None:
-            super().__init__(ledger)
-            self.gate, self.calls = asyncio.Event(), 0
-
-            async def acquire(*args: Any) -> Any:
-                self.calls += 1
-                await self.gate.wait()
-                return ledger.acquire(*args)
-
-            class _Slow:
-                def remote(self_inner, *args: Any) -> Any:
-                    return acquire(*args)
-            self.acquire = _Slow()
-
-    remote = Slow()
+    remote = GatedLedger(ledger, "acquire")
     replica = Quotas(remote)
     tenant = parse_keys(keys_yaml(a={"max_concurrency": 2}))[hash_key("key-a")]
 
