@@ -33,7 +33,8 @@ def retry_after(headers: httpx.Headers) -> float:
 
 async def stream_once(http: httpx.AsyncClient, key: str | None, prompt: str, max_tokens: int,
                       model: str = "bench") -> dict[str, Any]:
-    """One streaming completion: its status, TTFT (to the first text chunk) and Retry-After."""
+    """One streaming completion: its status, TTFT (to the first text chunk), when it was sent, and
+    the wait a refusal asks for."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
