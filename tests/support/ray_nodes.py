@@ -85,13 +85,15 @@ def matching_processes(pattern: str) -> list[psutil.Process]:
     return [p for p in found.values() if _alive(p)]
 
 
-def stop_processes(find: Callable[[], list[psutil.Process]]) -> list[psutil.Process]:
-    """SIGTERM what `find()` returns, then SIGKILL what it still returns until it returns nothing
-    (a raylet can fork a worker after the list was taken), for up to 30 s; returns what is left."""
+def stop_processes(find: Callable[[], list[psutil.Process]], grace_s: float = 2.0) -> list[psutil.Process]:
+    """SIGTERM what `find()` returns, then, after `grace_s`, SIGKILL what it still returns until it
+    returns nothing (a raylet can fork a worker after the list was taken), for up to 30 s; returns
+    what is left. The grace is short: a test's cluster is thrown away, and a GCS server ignores
+    SIGTERM (a longer wait only ever ended in the SIGKILL, 15 s later)."""
     procs = find()
     for p in procs:
         _signal(p, signal.SIGTERM)
-    psutil.wait_procs(procs, timeout=15)
+    psutil.wait_procs(procs, timeout=grace_s)
     deadline = time.monotonic() + 30
     while (alive := find()) and time.monotonic() < deadline:
         for p in alive:
