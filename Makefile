@@ -7,6 +7,11 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: the tests that start servers one after another on one, the others on
+# the second meanwhile (tests/conftest.py groups them). PYTEST_WORKERS=0 runs everything in one
+# process, in order.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadscope
 
 .PHONY: install serve test docs clean FORCE
 
@@ -44,7 +49,7 @@ serve: install
 	$(PY) -m service.launch serve run --address local deploy/serve.yaml
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The hunt for flaky tests, for anyone to repeat (about five times `make test`): the whole suite
 # three times back to back; once in a random order (modules shuffled, and the tests within each;
@@ -54,10 +59,10 @@ test: install
 .PHONY: test-stress
 test-stress: install
 	for run in 1 2 3; do echo "== test-stress: the suite, run $$run of 3"; \
-		$(PY) -m pytest -q $(PYTEST_ARGS) || exit 1; done
+		$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) || exit 1; done
 	seed="$(STRESS_SEED)"; [ -n "$$seed" ] || seed=$$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); \
 		echo "== test-stress: the suite in a random order, seed $$seed (STRESS_SEED=$$seed repeats it)"; \
-		$(PY) -m pytest -q --random-order-bucket=module --random-order-seed=$$seed $(PYTEST_ARGS)
+		$(PY) -m pytest -q $(XDIST) --random-order-bucket=module --random-order-seed=$$seed $(PYTEST_ARGS)
 	echo "== test-stress: tests/e2e and the README's make serve beside a CPU hog"; \
 		$(PY) -c 'while True: pass' & hog=$$!; trap 'kill $$hog 2>/dev/null' EXIT INT TERM; \
 		$(PY) -m pytest -q tests/e2e tests/docs/test_readme.py $(PYTEST_ARGS)

@@ -3,9 +3,12 @@ in front of each engine replica's own port) is set before anything imports Ray S
 settings are read from the environment at import time, in this process and in the Ray it starts.
 """
 
+import functools
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,6 +49,42 @@ def shared_serve() -> Iterator[Callable[..., Any]]:
     from tests.support import local_serve
     yield local_serve.shared_service
     local_serve.stop_shared_service()
+
+
+# The test modules that start servers (Ray, Serve, a Ray cluster, HAProxy, Prometheus, Redis, a
+# browser) run one after another on one pytest-xdist worker (`make test` runs two): they pick
+# fixed loopback ports, and two at once would take each other's. The other modules (in process:
+# the model, the service's parts, the docs) run on the other worker meanwhile, each module whole
+# on one worker. The grouping is a scheduler of our own (xdist's `loadgroup` marks are not read
+# by pytest 9.2, whose node ids xdist 3.8 can no longer suffix); the scheduler sees node ids
+# only, so a module is told by its path and its text.
+APART = "servers"
+_STARTS_SERVERS = re.compile(r"pytest\.mark\.slow|shared_serve|ray\.init\(|local_service\(|serve_on_local_ray\("
+                             r"|start_serving_cluster\(|RayNodes\(")
+
+
+@functools.cache
+def module_starts_servers(path: Path) -> bool:
+    """Whether a test module starts servers: it lives in tests/e2e, has a test marked slow, asks
+    for the shared Serve, or starts a Ray of its own."""
+    return "e2e" in path.parts or bool(_STARTS_SERVERS.search(path.read_text()))
+
+
+# optionalhook: the hook is xdist's, unknown to a pytest without it
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduler with two kinds of scope: `APART` (every module that starts
+    servers) and each other module. Scopes go out largest first, so `APART` starts at once."""
+    if config.getvalue("dist") == "each":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServersApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return APART if module_starts_servers(config.rootpath / module) else module
+
+    return ServersApart(config, log)
 
 
 @pytest.hookimpl(trylast=True)
