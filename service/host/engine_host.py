@@ -236,15 +236,19 @@ class EngineHost:
                 logger.exception("could not refresh the engine gauges")
             await asyncio.sleep(GAUGE_REFRESH_S)
 
-    def publish_kv_events(self, send: Callable[[list[Any]], Awaitable[Any]], interval_s: float = KV_PUBLISH_S) -> None:
+    def publish_kv_events(self, send: Callable[[list[Any]], Awaitable[Any]],
+                          interval_s: float = KV_PUBLISH_S) -> asyncio.Task[None]:
         """Every `interval_s`, the engine's KV events since the last time (`Engine.drain_kv_events`,
         taken between steps) go to `send` as a list of batches, in order; an empty list is the
         heartbeat that keeps this replica in the index. Batches a failed send did not deliver go
         again with the next (replaying stores and removals in order leaves the index as it would
         be); past KV_UNSENT_MAX of them they are replaced by one AllBlocksCleared, so the index
         forgets this replica's blocks rather than keep a stale picture (a miss costs a prefill,
-        a wrong holder only a detour)."""
-        self._tasks.append(asyncio.get_running_loop().create_task(self._publish_kv_events(send, interval_s)))
+        a wrong holder only a detour). Returns the publisher's task: it ends once the engine has
+        stopped."""
+        task = asyncio.get_running_loop().create_task(self._publish_kv_events(send, interval_s))
+        self._tasks.append(task)
+        return task
 
     async def _publish_kv_events(self, send: Callable[[list[Any]], Awaitable[Any]], interval_s: float) -> None:
         unsent: list[KVEventBatch] = []
