@@ -55,9 +55,9 @@ def shared_serve() -> Iterator[Callable[..., Any]]:
 # browser) run one after another on one pytest-xdist worker (`make test` runs two): they pick
 # fixed loopback ports, and two at once would take each other's. The other modules (in process:
 # the model, the service's parts, the docs) run on the other worker meanwhile, each module whole
-# on one worker. The grouping is a scheduler of our own (xdist's `loadgroup` marks are not read
-# by pytest 9.2, whose node ids xdist 3.8 can no longer suffix); the scheduler sees node ids
-# only, so a module is told by its path and its text.
+# on one worker. The grouping is a scheduler of our own: xdist 3.8's `loadgroup` tags a group by
+# rewriting `item._nodeid`, which pytest 9.2 no longer reads, so its groups were ignored. The
+# scheduler sees node ids only, so a module is told by its path and its text.
 APART = "servers"
 _STARTS_SERVERS = re.compile(r"pytest\.mark\.slow|shared_serve|ray\.init\(|local_service\(|serve_on_local_ray\("
                              r"|start_serving_cluster\(|RayNodes\(")
@@ -74,7 +74,9 @@ def module_starts_servers(path: Path) -> bool:
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's scope scheduler with two kinds of scope: `APART` (every module that starts
-    servers) and each other module. Scopes go out largest first, so `APART` starts at once."""
+    servers) and each other module. Scopes go out largest first (in the whole suite `APART` is the
+    largest, so it starts at once), and a worker gets the next scope only when it has two tests
+    or fewer left, so the other modules all go to the other worker meanwhile."""
     if config.getvalue("dist") == "each":
         return None
     from xdist.scheduler import LoadScopeScheduling
