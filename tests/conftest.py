@@ -59,7 +59,7 @@ def shared_serve() -> Iterator[Callable[..., Any]]:
 # rewriting `item._nodeid`, which pytest 9.2 no longer reads, so its groups were ignored. The
 # scheduler sees node ids only, so a module is told by its path and its text.
 APART = "servers"
-_STARTS_SERVERS = re.compile(r"pytest\.mark\.slow|shared_serve|ray\.init\(|local_service\(|serve_on_local_ray\("
+_STARTS_SERVERS = re.compile(rf"pytest\.mark\.slow|{SHARED_SERVE}|ray\.init\(|local_service\(|serve_on_local_ray\("
                              r"|start_serving_cluster\(|RayNodes\(")
 
 
